@@ -1,0 +1,38 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A plain `torch` requirement pulls a multi-GB CUDA build; install the CPU build explicitly first.
+TORCH_SPEC ?= torch==2.13.0
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install demo test lint format bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test,demo]"
+	touch $@
+
+demo: install
+	$(BIN)/lit-parallel demo
+
+lint: install
+	$(BIN)/ruff check lit_parallel tests recipes
+	$(BIN)/ruff format --check lit_parallel tests recipes
+
+format: install
+	$(BIN)/ruff format lit_parallel tests recipes
+	$(BIN)/ruff check --fix lit_parallel tests recipes
+
+test: lint
+	$(BIN)/python -m pytest tests
+
+bench: install
+	$(BIN)/lit-parallel bench ddp
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

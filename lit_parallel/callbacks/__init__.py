@@ -1,0 +1,1 @@
+"""Lightning callbacks that catch or fix multi-device training mistakes."""

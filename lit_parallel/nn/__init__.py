@@ -1,0 +1,1 @@
+"""Modules lit_parallel must provide itself."""

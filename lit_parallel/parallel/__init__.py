@@ -1,0 +1,1 @@
+"""Pure PyTorch building blocks (no Lightning import): usable without a Trainer."""

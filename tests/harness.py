@@ -1,0 +1,233 @@
+"""Launch real ranks on gloo, run scenarios in them, and collect every rank's result.
+
+A launch costs seconds of start-up, so a test names several scenarios and they run one after the
+other inside the same processes. Each scenario is a function ``fn(ctx) -> dict`` in an importable
+module (``"tests.scenarios.ddp:parity"``); its dict (tensors, numbers, strings, lists) comes back per
+rank. When any rank raises, torchrun stops the others, and :class:`DistributedFailure` shows every
+rank's traceback plus the tail of the launcher's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "_worker.py"
+
+
+class DistributedFailure(AssertionError):
+    """A multi-process run failed or timed out; the message holds every rank's traceback."""
+
+
+@dataclass
+class LaunchResult:
+    """Per-rank results of one launch: ``results[rank][scenario_name]`` is the scenario's dict."""
+
+    results: dict[int, dict[str, Any]]
+    output: str
+    wall_s: float
+    returncode: int
+    errors: dict[int, str] = field(default_factory=dict)
+    error_times: dict[int, float] = field(default_factory=dict)
+    timed_out: bool = False
+    expected_ranks: int = 0
+    launcher: str = "torchrun"
+
+    @property
+    def failed(self) -> bool:
+        return self.timed_out or self.returncode != 0 or len(self.results) != self.expected_ranks
+
+    def describe_failure(self) -> str:
+        """Every rank's traceback, the first failure first, then the launcher's output tail."""
+        how = f"timed out after {self.wall_s:.0f}s" if self.timed_out else f"exited with {self.returncode}"
+        parts = [
+            f"{self.launcher} launch of {self.expected_ranks} ranks {how} ({self.wall_s:.1f}s);"
+            f" ranks with results: {sorted(self.results)}"
+            + (f"; first failing rank: {self.first_failed_rank}" if self.errors else "")
+        ]
+        for rank in sorted(self.errors, key=self.error_times.get):
+            parts.append(f"----- rank {rank} traceback -----\n{self.errors[rank]}")
+        parts.append("----- launcher output (tail) -----\n" + self.output[-6000:])
+        return "\n".join(parts)
+
+    @property
+    def first_failed_rank(self) -> int | None:
+        """The rank that raised first (the cause; later errors are usually lost connections)."""
+        return min(self.error_times, key=self.error_times.get) if self.error_times else None
+
+    def scenario(self, name: str) -> list[dict[str, Any]]:
+        """The named scenario's dicts, one per rank, in rank order."""
+        return [self.results[r][name] for r in sorted(self.results)]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # Lightning prints tips and progress bars to every rank's stdout; keep logs readable.
+    env.setdefault("PL_DISABLE_FORK", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def launch(
+    scenarios: list[str] | str,
+    nprocs: int,
+    tmp_path: Path,
+    *,
+    args: dict[str, Any] | None = None,
+    launcher: str = "torchrun",
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+    expect_failure: bool = False,
+    nnodes: int = 1,
+) -> LaunchResult:
+    """Run ``scenarios`` on ``nprocs`` real ranks (per node) and return their results.
+
+    Args:
+        scenarios: ``"module:function"`` targets, run in order in the same processes.
+        launcher: ``"torchrun"`` (elastic agent, one process per rank; the harness initialises a gloo
+            process group before the scenarios run) or ``"lightning"`` (one ``python`` process; the
+            scenario builds a ``Trainer(devices=nprocs)`` and Lightning's launcher starts the others).
+        nnodes: with torchrun, run that many agents on loopback as separate "nodes" (c10d rendezvous).
+        expect_failure: return the result of a failing run instead of raising.
+    """
+    if isinstance(scenarios, str):
+        scenarios = [scenarios]
+    outdir = Path(tmp_path) / f"launch-{time.monotonic_ns()}"
+    outdir.mkdir(parents=True)
+    spec = {"scenarios": scenarios, "args": args or {}, "outdir": str(outdir), "nprocs": nprocs}
+    spec_file = outdir / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    port = free_port()
+    run_env = _base_env(env)
+    commands: list[list[str]] = []
+    if launcher == "torchrun":
+        for node_rank in range(nnodes):
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}"]
+            if nnodes == 1:
+                cmd += [f"--master-port={port}", "--master-addr=127.0.0.1"]
+            else:
+                cmd += [
+                    f"--nnodes={nnodes}",
+                    f"--node-rank={node_rank}",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    f"--rdzv-id=lp{port}",
+                ]
+            cmd += ["--max-restarts=0", "--monitor-interval=0.1", str(WORKER), str(spec_file)]
+            commands.append(cmd)
+    elif launcher == "lightning":
+        if nnodes != 1:
+            raise ValueError("launcher='lightning' runs one node; use torchrun for nnodes > 1")
+        run_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        commands.append([sys.executable, str(WORKER), str(spec_file)])
+    else:
+        raise ValueError(f"launcher={launcher!r} is not one of 'torchrun', 'lightning'")
+
+    start = time.monotonic()
+    logs = [open(outdir / f"launcher{i}.log", "w+") for i in range(len(commands))]  # noqa: SIM115
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=run_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        for cmd, log in zip(commands, logs)
+    ]
+    timed_out = False
+    deadline = start + timeout
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        if launcher == "lightning" and not timed_out:
+            # Lightning's launcher does not wait for its children: let them write their results.
+            timed_out = not _wait_group_empty(procs[0].pid, deadline)
+    finally:
+        for p in procs:
+            _kill_tree(p)
+    wall = time.monotonic() - start
+    output = ""
+    for log in logs:
+        log.seek(0)
+        output += log.read()
+        log.close()
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+
+    results: dict[int, dict[str, Any]] = {}
+    errors: dict[int, str] = {}
+    for f in sorted(outdir.glob("rank*.pt")):
+        results[int(f.stem[4:])] = torch.load(f, weights_only=True)
+    error_times: dict[int, float] = {}
+    for f in sorted(outdir.glob("rank*.err")):
+        stamp, _, text = f.read_text().partition("\n")
+        errors[int(f.stem[4:])] = text
+        error_times[int(f.stem[4:])] = float(stamp)
+    result = LaunchResult(
+        results=results,
+        output=output,
+        wall_s=wall,
+        returncode=returncode,
+        errors=errors,
+        error_times=error_times,
+        timed_out=timed_out,
+        expected_ranks=nprocs * nnodes,
+        launcher=launcher,
+    )
+    if result.failed and not expect_failure:
+        raise DistributedFailure(result.describe_failure())
+    return result
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_group_empty(pgid: int, deadline: float) -> bool:
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    """Stop every process of the launch's session (ranks started by the launcher included)."""
+    if not _group_alive(p.pid):
+        if p.poll() is None:
+            p.wait()
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
