@@ -4,11 +4,27 @@ Importing the package registers its strategy names (``"ddp_tuned"``, ...) in Lig
 ``StrategyRegistry`` so that ``Trainer(strategy="ddp_tuned")`` and LightningCLI YAML work.
 """
 
+import logging
+
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lit_parallel.strategies import ALL_STRATEGIES, TunedDDPStrategy
+from lit_parallel.strategies import (
+    ALL_STRATEGIES,
+    HybridShardStrategy,
+    TransformerFSDPStrategy,
+    TunedDDPStrategy,
+)
 
 __version__ = "0.1.0"
+
+
+def _configure_logging() -> None:
+    # Like Lightning's own logger: decisions (bucket sizes, unused parameters, plans) show by default.
+    logger = logging.getLogger(__name__)
+    if not logger.handlers:
+        logger.setLevel(logging.INFO)
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
 
 
 def _register_strategies() -> None:
@@ -16,6 +32,7 @@ def _register_strategies() -> None:
         cls.register_strategies(StrategyRegistry)
 
 
+_configure_logging()
 _register_strategies()
 
-__all__ = ["TunedDDPStrategy", "__version__"]
+__all__ = ["HybridShardStrategy", "TransformerFSDPStrategy", "TunedDDPStrategy", "__version__"]

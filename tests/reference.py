@@ -4,7 +4,8 @@ N data-parallel ranks that each take 1/N of a global batch must match one proces
 whole global batch. Lightning's training sampler is a shuffling ``DistributedSampler`` (seed
 ``PL_GLOBAL_SEED`` or 0, ``set_epoch`` each epoch): the reference rebuilds the same order per rank and
 concatenates the ranks' micro-batches in rank order. Lightning divides each micro-batch loss by
-``accumulate_grad_batches``; the reference does the same, then clips and steps.
+``accumulate_grad_batches`` and also steps on an epoch's last batch when the accumulation is partial;
+the reference does the same, then clips and steps.
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ def rank_orders(dataset_len: int, world_size: int, epoch: int, *, seed: int = 0,
 
 def global_micro_batches(
     dataset_len: int, world_size: int, per_rank_batch: int, epochs: int, *, seed: int = 0
-) -> list[list[int]]:
-    """Indices of each global micro-batch, in training order: rank 0's part, then rank 1's, ..."""
+) -> list[list[list[int]]]:
+    """Per epoch, the indices of each global micro-batch: rank 0's part, then rank 1's, ..."""
     out = []
     for epoch in range(epochs):
         orders = rank_orders(dataset_len, world_size, epoch, seed=seed)
         n = len(orders[0])
-        for start in range(0, n, per_rank_batch):
-            out.append([i for order in orders for i in order[start : start + per_rank_batch]])
+        out.append(
+            [
+                [i for order in orders for i in order[s : s + per_rank_batch]]
+                for s in range(0, n, per_rank_batch)
+            ]
+        )
     return out
 
 
@@ -72,25 +77,31 @@ def reference_training(
     model = copy.deepcopy(model)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    micro = global_micro_batches(len(dataset), world_size, per_rank_batch, epochs, seed=seed)
+    epochs_of_batches = global_micro_batches(len(dataset), world_size, per_rank_batch, epochs, seed=seed)
     losses: list[float] = []
     steps = 0
-    for i, indices in enumerate(micro):
-        loss = loss_fn(model, collate(dataset, indices))
-        losses.append(loss.item())
-        (loss / accumulate_grad_batches).backward()
-        if (i + 1) % accumulate_grad_batches == 0:
-            if gradient_clip_val is not None:
-                if gradient_clip_algorithm == "norm":
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
-                else:
-                    torch.nn.utils.clip_grad_value_(model.parameters(), gradient_clip_val)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            steps += 1
-            if steps == max_steps:
-                break
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    for batches in epochs_of_batches:
+        for i, indices in enumerate(batches):
+            loss = loss_fn(model, collate(dataset, indices))
+            losses.append(loss.item())
+            (loss / accumulate_grad_batches).backward()
+            # Lightning also steps on the last batch of an epoch, with a partial accumulation
+            if (i + 1) % accumulate_grad_batches == 0 or i + 1 == len(batches):
+                if gradient_clip_val is not None:
+                    if gradient_clip_algorithm == "norm":
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip_val)
+                    else:
+                        torch.nn.utils.clip_grad_value_(model.parameters(), gradient_clip_val)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                steps += 1
+                if steps == max_steps:
+                    return {"losses": losses, "params": _params(model)}
+    raise ValueError(f"{epochs} epochs hold fewer than max_steps={max_steps} optimizer steps")
+
+
+def _params(model: torch.nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5, what: str = "") -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.harness import launch
 
@@ -36,12 +35,3 @@ def test_failing_rank_stops_all_ranks_promptly_and_is_named(tmp_path):
     assert "first failing rank: 1" in msg
     assert "----- rank 1 traceback -----" in msg
     assert "ValueError: scenario failure injected on rank 1" in msg
-
-
-@pytest.mark.timeout(180)
-def test_lightning_launcher_runs_devices_n(tmp_path):
-    res = launch("tests.scenarios.harness_checks:lightning_devices", 2, tmp_path, launcher="lightning")
-    out = res.scenario("lightning_devices")
-    assert [r["rank"] for r in out] == [0, 1]
-    assert all(r["world"] == 2 for r in out)
-    torch.testing.assert_close(out[0]["weight"], out[1]["weight"], rtol=0, atol=0)

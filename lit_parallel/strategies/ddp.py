@@ -1,16 +1,347 @@
-"""TunedDDPStrategy ("ddp_tuned")."""
+"""TunedDDPStrategy ("ddp_tuned"): Lightning's DDP with decisions measured instead of guessed."""
 
 from __future__ import annotations
 
+import logging
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_only
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
+
+from lit_parallel.parallel.buckets import (
+    AllReduceMeasurement,
+    BucketPlan,
+    MiB,
+    broadcast_measurement,
+    choose_bucket_sizes,
+    gradient_bytes_in_ready_order,
+    measure_allreduce,
+)
+from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
+
+log = logging.getLogger(__name__)
+
+_UNUSED_FIX = (
+    "TunedDDPStrategy's first training step (its probe) used every parameter, so DDP runs with"
+    " find_unused_parameters=False; on this step some parameter received no gradient (a branch used only on"
+    " some steps). Fix: pass TunedDDPStrategy(find_unused_parameters=True)"
+    " (or strategy='ddp_tuned_find_unused_parameters_true')."
+)
+
+
+def _info(msg: str) -> None:
+    if rank_zero_only.rank == 0:
+        log.info(msg)
 
 
 class TunedDDPStrategy(DDPStrategy):
-    """DDP with measured bucket sizes and probed unused-parameter detection."""
+    """DDP with measured bucket sizes, probed unused-parameter detection and gradient compression.
+
+    A subclass of Lightning's ``DDPStrategy``: launcher, checkpointing and precision handling are
+    Lightning's. Decisions are logged on rank 0 (logger ``lit_parallel``) and kept on the strategy
+    (``bucket_plan``, ``allreduce_measurement``, ``unused_parameters``).
+
+    Args:
+        bucket_cap_mb: ``"auto"`` (default) measures all-reduce latency and bandwidth at start-up and
+            chooses a small first bucket and larger later ones (:func:`~lit_parallel.parallel.choose_bucket_sizes`;
+            rank 0's measurement decides for every rank). A number (MiB) or a list of per-bucket MiB
+            (the last one repeats) overrides; note that an explicit number turns off DDP's small first
+            bucket.
+        gradient_as_bucket_view: gradients are views into the communication buckets (saves one copy
+            and the memory of one gradient set). Default ``True``.
+        find_unused_parameters: ``"auto"`` (default) makes the first optimizer step the probe: it runs
+            without the DDP wrapper, its gradients are averaged across ranks by hand exactly as DDP
+            would, and the parameters that got no gradient on any rank decide. No extra forward or
+            backward is run, so parameters, buffers, optimizer, metrics and RNG states evolve exactly
+            as with a fixed setting. If every trainable parameter is used, DDP runs with
+            ``find_unused_parameters=False``; otherwise the unused names are logged and detection is
+            turned on. ``True``/``False`` override. The probe cannot see parameters used only on some
+            steps: such a model fails with an error that names the fix (``find_unused_parameters=True``).
+            Manual optimization skips the probe (``False``).
+        static_graph: DDP's static-graph mode (explicit opt-in). Refused with
+            ``accumulate_grad_batches > 1``, where DDP's reducer hits an internal assert.
+        comm_hook: ``None`` (DDP's built-in all-reduce), ``"allreduce"`` (the same in Python, which lets
+            :func:`~lit_parallel.parallel.count_collectives` see it), ``"fp16"`` (gradients sent in
+            half precision, any backend), ``"bf16"`` (NCCL/XCCL only; refused on gloo) or ``"powersgd"``
+            (low-rank compression; on gloo, which cannot run it with several buckets, all gradients go in
+            one bucket and the log says so).
+        powersgd_rank: rank of PowerSGD's low-rank approximation.
+        powersgd_warmup_steps: optimizer steps of plain all-reduce before compression starts (>= 2).
+        compile: ``False``, ``True`` or a dict of ``torch.compile`` options (e.g. ``{"backend":
+            "aot_eager"}``). Each top-level submodule of the LightningModule that has parameters
+            (typically ``self.model``) is compiled in place (``nn.Module.compile``) *before* DDP wraps
+            the model, so the compiled graph cannot swallow DDP's gradient hooks. Call those submodules
+            from ``training_step``; compilation is undone at teardown.
+        forward_sync_buffers: broadcast rank 0's buffers (BatchNorm statistics) before each forward
+            (DDP's default, ``True``). Turn it off only when every rank should keep its own buffers, e.g.
+            fine-tuning BatchNorm per rank, or when a synchronized BatchNorm already keeps them equal.
+        broadcast_buffers: deprecated in torch 2.13; mapped to ``forward_sync_buffers``.
+        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
+    """
 
     strategy_name = "ddp_tuned"
+
+    def __init__(
+        self,
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
+        bucket_cap_mb: Literal["auto"] | float | list[float] = "auto",
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: Literal["auto"] | bool = "auto",
+        static_graph: bool = False,
+        comm_hook: str | None = None,
+        powersgd_rank: int = 1,
+        powersgd_warmup_steps: int = 10,
+        compile: bool | dict[str, Any] = False,
+        forward_sync_buffers: bool | None = None,
+        broadcast_buffers: bool | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        _validate_bucket_cap(bucket_cap_mb)
+        if find_unused_parameters not in ("auto", True, False):
+            raise ValueError(
+                f"find_unused_parameters={find_unused_parameters!r} must be 'auto', True or False"
+            )
+        if not isinstance(static_graph, bool):
+            raise ValueError(f"static_graph={static_graph!r} must be True or False")
+        validate_comm_hook(
+            comm_hook, powersgd_rank=powersgd_rank, powersgd_warmup_steps=powersgd_warmup_steps
+        )
+        if comm_hook is not None and kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError(
+                f"comm_hook={comm_hook!r} and ddp_comm_hook={kwargs['ddp_comm_hook']!r} were both given;"
+                " pass only one of them"
+            )
+        if not isinstance(compile, (bool, dict)):
+            raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile options")
+        if broadcast_buffers is not None:
+            if forward_sync_buffers is not None:
+                raise ValueError(
+                    "broadcast_buffers and forward_sync_buffers were both given; pass only forward_sync_buffers"
+                    " (broadcast_buffers is its deprecated name)"
+                )
+            rank_zero_deprecation(
+                "TunedDDPStrategy(broadcast_buffers=...) is deprecated (as in torch 2.13's DDP);"
+                f" use forward_sync_buffers={broadcast_buffers}"
+            )
+            forward_sync_buffers = broadcast_buffers
+        if "bucket_cap_mb_list" in kwargs:
+            raise ValueError("pass per-bucket sizes as bucket_cap_mb=[first, rest, ...] (MiB)")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._bucket_cap_mb = bucket_cap_mb
+        self._gradient_as_bucket_view = gradient_as_bucket_view
+        self._find_unused = find_unused_parameters
+        self._static_graph = static_graph
+        self._comm_hook = comm_hook
+        self._powersgd_rank = powersgd_rank
+        self._powersgd_warmup_steps = powersgd_warmup_steps
+        self._compile = compile
+        self._forward_sync_buffers = forward_sync_buffers
+        self._probing = False
+        self._wrap_next_batch: bool | None = None
+        self._compiled_children: list[torch.nn.Module] = []
+        self.allreduce_measurement: AllReduceMeasurement | None = None
+        self.bucket_plan: BucketPlan | None = None
+        self.unused_parameters: list[str] | None = None
+        self.comm_hook_state: Any = None
+
+    @override
+    def setup_environment(self) -> None:
+        # Refuse impossible combinations before any process group exists.
+        validate_comm_hook(self._comm_hook, backend=self._get_process_group_backend())
+        lm = self.lightning_module
+        trainer = lm._trainer if lm is not None else None
+        if self._static_graph and trainer is not None and trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"static_graph=True with accumulate_grad_batches={trainer.accumulate_grad_batches} hits an"
+                " internal assert in DDP's reducer (torch 2.13); use static_graph=False (the default) or"
+                " accumulate_grad_batches=1"
+            )
+        super().setup_environment()
+
+    @override
+    def configure_ddp(self) -> None:
+        assert self.model is not None
+        self._apply_compile(self.model)
+        self._choose_buckets(self.model)
+        lm = self.lightning_module
+        if self._find_unused == "auto" and lm is not None and lm.automatic_optimization:
+            # The first optimizer step is the probe: it runs without DDP, its gradients are averaged by
+            # hand (as DDP would) and show which parameters training uses; DDP wraps the model after it.
+            # Every rank must hold rank 0's weights before that step and before any sanity validation.
+            _sync_module_states(self.model)
+            self._probing = True
+            return
+        if self._find_unused == "auto":
+            _info("ddp_tuned: manual optimization, so no probe step: find_unused_parameters=False")
+        self._wrap(find_unused=bool(self._find_unused))
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self._probing or trainer is None or trainer.fit_loop.epoch_loop._should_accumulate():
+            return
+        self._probing = False
+        lm = self.lightning_module
+        named = [(n, p) for n, p in lm.named_parameters() if p.requires_grad]
+        used = average_gradients([p for _, p in named])
+        self.unused_parameters = [n for (n, _), u in zip(named, used) if not u]
+        self._wrap_next_batch = bool(self.unused_parameters)
+        if self.unused_parameters:
+            shown = ", ".join(self.unused_parameters[:20])
+            if len(self.unused_parameters) > 20:
+                shown += f" and {len(self.unused_parameters) - 20} more"
+            _info(
+                f"ddp_tuned: {len(self.unused_parameters)} parameters got no gradient in the first training"
+                f" step (e.g. used only in evaluation, or frozen branches): {shown};"
+                " running DDP with find_unused_parameters=True"
+            )
+        else:
+            _info(
+                "ddp_tuned: the first training step used every trainable parameter: find_unused_parameters=False"
+            )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._wrap_next_batch is not None:
+            find_unused, self._wrap_next_batch = self._wrap_next_batch, None
+            self._wrap(find_unused=find_unused)
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def teardown(self) -> None:
+        self._undo_compile()
+        self._probing = False
+        self._wrap_next_batch = None
+        super().teardown()
+
+    def _apply_compile(self, model: torch.nn.Module) -> None:
+        if self._compile is False:
+            return
+        options = self._compile if isinstance(self._compile, dict) else {}
+        # Each top-level submodule with parameters (``self.model``, ``self.encoder``, ...) is compiled in
+        # place, before DDP wraps the LightningModule: DDP's gradient hooks stay outside the graphs.
+        for name, child in model.named_children():
+            if any(True for _ in child.parameters()):
+                child.compile(**options)
+                self._compiled_children.append(child)
+        names = [n for n, c in model.named_children() if any(c is m for m in self._compiled_children)]
+        _info(
+            f"ddp_tuned: compiled submodules {names} with {options or 'default options'} before DDP wrapping"
+        )
+
+    def _undo_compile(self) -> None:
+        for child in self._compiled_children:
+            child._compiled_call_impl = None
+        self._compiled_children = []
+
+    def _choose_buckets(self, model: torch.nn.Module) -> None:
+        grad_bytes = gradient_bytes_in_ready_order(model)
+        total = sum(grad_bytes)
+        single_bucket = self._comm_hook == "powersgd" and self._get_process_group_backend() == "gloo"
+        if self._bucket_cap_mb != "auto":
+            caps = self._bucket_cap_mb if isinstance(self._bucket_cap_mb, list) else [self._bucket_cap_mb]
+            if single_bucket and total > caps[0] * MiB:
+                raise ValueError(
+                    f"comm_hook='powersgd' on gloo needs all gradients in one bucket ({total / MiB:.3f} MiB),"
+                    f" but bucket_cap_mb={self._bucket_cap_mb!r}; use bucket_cap_mb='auto' or at least"
+                    f" {total / MiB:.3f}"
+                )
+            return
+        if single_bucket:
+            cap = -(-(total + 1) // 4096) * 4096
+            self.bucket_plan = BucketPlan(
+                cap,
+                cap,
+                f"comm_hook='powersgd' on gloo crashes with more than one bucket: one bucket of"
+                f" {cap / MiB:.3f} MiB holds all {total / MiB:.3f} MiB of gradients (no overlap)",
+            )
+        else:
+            measured = measure_allreduce(self.root_device)
+            self.allreduce_measurement = broadcast_measurement(measured, src=0)
+            self.bucket_plan = choose_bucket_sizes(self.allreduce_measurement, grad_bytes)
+        _info(f"ddp_tuned: bucket_cap_mb_list={self.bucket_plan.cap_mb_list}: {self.bucket_plan.reason}")
+
+    def _ddp_bucket_kwargs(self) -> dict[str, Any]:
+        if self.bucket_plan is not None:
+            return {"bucket_cap_mb_list": self.bucket_plan.cap_mb_list}
+        if isinstance(self._bucket_cap_mb, list):
+            return {"bucket_cap_mb_list": list(self._bucket_cap_mb)}
+        return {"bucket_cap_mb": self._bucket_cap_mb}
+
+    def _wrap(self, find_unused: bool) -> None:
+        kwargs = dict(self._ddp_kwargs)
+        kwargs.update(self._ddp_bucket_kwargs())
+        kwargs["gradient_as_bucket_view"] = self._gradient_as_bucket_view
+        kwargs["find_unused_parameters"] = find_unused
+        kwargs["static_graph"] = self._static_graph
+        if self._forward_sync_buffers is not None:
+            kwargs["forward_sync_buffers"] = self._forward_sync_buffers
+        self._ddp_kwargs = kwargs
+        self.model = self._setup_model(self.model)
+        self._register_ddp_hooks()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if self._comm_hook is None:
+            super()._register_ddp_hooks()
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        state, hook = build_comm_hook(
+            self._comm_hook,
+            powersgd_rank=self._powersgd_rank,
+            powersgd_warmup_steps=self._powersgd_warmup_steps,
+        )
+        self.comm_hook_state = state
+        self.model.register_comm_hook(state, hook)
+        _info(f"ddp_tuned: registered communication hook {self._comm_hook!r}")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if any(
+            isinstance(arg, str) and "Expected to have finished reduction in the prior iteration" in arg
+            for arg in exception.args
+        ):
+            exception.args = tuple(
+                f"{arg}\n\n{_UNUSED_FIX}"
+                if isinstance(arg, str) and "Expected to have finished" in arg
+                else arg
+                for arg in exception.args
+            )
+
+    @property
+    def find_unused_parameters(self) -> bool | None:
+        """What DDP runs with (``None`` before the model is wrapped)."""
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.find_unused_parameters
+        return None
 
     @classmethod
     @override
@@ -18,5 +349,26 @@ class TunedDDPStrategy(DDPStrategy):
         strategy_registry.register(
             cls.strategy_name,
             cls,
-            description="DDP with measured bucket sizes, probed find_unused_parameters and comm hooks",
+            description="DDP with measured bucket sizes, probed find_unused_parameters and gradient compression",
+        )
+        for value in (True, False):
+            strategy_registry.register(
+                f"{cls.strategy_name}_find_unused_parameters_{str(value).lower()}",
+                cls,
+                description=f"ddp_tuned with find_unused_parameters={value} (no probe)",
+                find_unused_parameters=value,
+            )
+
+
+def _validate_bucket_cap(value: Any) -> None:
+    if value == "auto":
+        return
+    values = value if isinstance(value, list) else [value]
+    ok = bool(values) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and v == v for v in values
+    )
+    if not ok:
+        raise ValueError(
+            f"bucket_cap_mb={value!r} must be 'auto', a positive number of MiB (e.g. 25) or a non-empty list"
+            " of positive MiB per bucket (e.g. [1, 25])"
         )

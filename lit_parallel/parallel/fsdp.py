@@ -1,0 +1,481 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) applied per transformer block, without a Trainer.
+
+:func:`apply_fsdp` is the orchestrating function; it runs small steps in a fixed order::
+
+    plan = find_transformer_blocks(module)          # which modules are blocks
+    sync or materialise the parameters outside blocks
+    for each block, in module order:
+        materialise it if it is on the meta device  # one block's full weights at a time
+        apply_activation_checkpointing(block)       # recompute activations in backward
+        apply_compile(block)                        # after AC, before FSDP (torchtitan's order)
+        fully_shard(block)                          # one all-gather / reduce-scatter group per block
+    fully_shard(module)                             # the rest (embeddings, final norm, heads), bottom-up
+
+The root group is the module itself, so parameters outside blocks are sharded too; its extra forward
+methods (``training_step``, ...) are registered with FSDP so that they are gathered even when the
+module's own ``forward`` is never called (a LightningModule whose ``training_step`` calls ``self.model``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
+from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
+from lit_parallel.parallel.mesh import ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+# Trainer precision flag -> what FSDP2 casts. "bf16-mixed": FSDP's policy does the casting (bf16 compute and
+# all-gathers, fp32 sharded parameters and gradient reduction), so autocast must stay off.
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for a Lightning precision flag (``None``: nothing to cast)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported with FSDP2; choose one of {SUPPORTED_PRECISIONS}")
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy | None:
+    """``CPUOffloadPolicy`` on accelerators; on a CPU-only run parameters already live on the CPU, so it is
+    a no-op (FSDP2's policy itself requires an accelerator) and a warning says so."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if not cpu_offload:
+        return None
+    if device.type == "cpu":
+        warnings.warn(
+            "cpu_offload=True has no effect on a CPU-only run: parameters, gradients and optimizer state are"
+            " already in CPU memory (FSDP2's CPUOffloadPolicy needs an accelerator). Continuing without it.",
+            stacklevel=2,
+        )
+        return None
+    return CPUOffloadPolicy()
+
+
+# --- steps ----------------------------------------------------------------------------------------------
+
+
+def apply_activation_checkpointing(block: nn.Module) -> None:
+    """Recompute ``block``'s activations in backward instead of storing them (non-reentrant checkpoint).
+
+    The module keeps its name and class (no wrapper), so state-dict keys and ``block_types`` still match.
+    FSDP's hooks stay outside the checkpointed function: the recomputation runs on the parameters FSDP
+    gathered for backward.
+    """
+    if getattr(block, "_lp_activation_checkpointing", False):
+        return
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward
+    block._lp_activation_checkpointing = True
+
+
+def apply_compile(block: nn.Module, compile_kwargs: Mapping[str, Any] | None = None) -> None:
+    """``torch.compile`` the block in place (``nn.Module.compile``: names and state-dict keys unchanged)."""
+    block.compile(**dict(compile_kwargs or {}))
+
+
+def _has_meta(module: nn.Module, recurse: bool = True) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
+
+
+def _direct_states(module: nn.Module) -> bool:
+    return any(True for _ in itertools.chain(module.parameters(False), module.buffers(False)))
+
+
+def _reset(module: nn.Module, uninitialised: set[str]) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    else:
+        uninitialised.add(type(module).__name__)
+
+
+def _materialise_tree(module: nn.Module, device: torch.device, uninitialised: set[str]) -> None:
+    """to_empty + reset_parameters of every module of the subtree with its own states (pre-order)."""
+    module.to_empty(device=device)
+    for sub in module.modules():
+        if _direct_states(sub):
+            _reset(sub, uninitialised)
+
+
+@contextmanager
+def _rank0_rng(device: torch.device) -> Iterator[None]:
+    """Every rank draws the random numbers rank 0 draws, so initialisation is identical across ranks."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield
+        return
+    states: list[Any] = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    dist.broadcast_object_list(states, src=0)
+    torch.set_rng_state(states[0].cpu())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1].cpu(), device)
+    yield
+
+
+def _broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    """Make every rank's copy equal rank 0's (one flat broadcast per dtype/device)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for (_, t_device), ts in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        flat = _flatten_dense_tensors([t.detach() for t in ts])
+        if t_device.type == "cpu" and dist.get_backend() == "nccl":
+            flat = flat.cuda()
+        dist.broadcast(flat, src=0)
+        with torch.no_grad():
+            for t, synced in zip(ts, _unflatten_dense_tensors(flat, ts)):
+                t.copy_(synced)
+
+
+def _local_states(module: nn.Module, recurse: bool) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return [
+        t
+        for t in itertools.chain(module.parameters(recurse), module.buffers(recurse))
+        if not isinstance(t, DTensor) and not t.is_meta
+    ]
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, handle.current_device())
+
+
+def apply_fsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    block_types: BlockTypes | BlockPlan = "auto",
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload: OffloadPolicy | None = None,
+    activation_checkpointing: bool = False,
+    compile: bool | Mapping[str, Any] = False,
+    forward_methods: Iterable[str] = (),
+    sync_module_states: bool = True,
+) -> BlockPlan:
+    """Shard ``module`` with FSDP2 block by block over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
+
+    Args:
+        block_types: what the blocks are (see :func:`find_transformer_blocks`) or a ready plan.
+        reshard_after_forward: ``True`` frees gathered parameters after forward and gathers them again in
+            backward (ZeRO-3); ``False`` keeps them until after backward (ZeRO-2). Applies to every group,
+            the root included.
+        mp_policy: FSDP2 mixed-precision policy (``None``: compute in the parameters' dtype).
+        offload: FSDP2 offload policy (``None``: keep everything on the device).
+        activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block (``True`` or a dict of ``torch.compile`` arguments).
+        forward_methods: methods of ``module`` besides ``forward`` that run the model
+            (``"training_step"``, ...): FSDP gathers the root group's parameters around them.
+        sync_module_states: for a module that is not on the meta device, copy rank 0's parameters and
+            buffers to every rank before sharding (as DDP does), so that ranks cannot start from
+            different initialisations.
+
+    A module (partly) on the meta device is materialised on the mesh's device: parameters outside blocks
+    first, then each block just before it is sharded, so no rank ever holds more than the non-block
+    parameters plus one full block plus its shards. Each module's ``reset_parameters()`` initialises its
+    own parameters and buffers (modules without one are listed in a warning), with rank 0's random
+    generator state on every rank.
+
+    Returns the block plan that was applied.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} already has FSDP applied; apply_fsdp must run once")
+    plan = block_types if isinstance(block_types, BlockPlan) else find_transformer_blocks(module, block_types)
+    device = _mesh_device(mesh)
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    compile_kwargs = None if compile is False else ({} if compile is True else dict(compile))
+
+    block_ids = {id(b) for _, b in plan.blocks}
+    inside_block: set[int] = set()
+    for _, block in plan.blocks:
+        inside_block.update(id(m) for m in block.modules())
+    outside = [m for m in module.modules() if id(m) not in inside_block]
+
+    meta = _has_meta(module)
+    uninitialised: set[str] = set()
+    with _rank0_rng(device) if meta else nullcontext():
+        if meta:
+            # Parameters outside blocks are needed whole for a moment anyway (the root group shards them last).
+            for m in outside:
+                if _has_meta(m, recurse=False):
+                    m.to_empty(device=device, recurse=False)
+        elif sync_module_states:
+            _broadcast_from_rank0([t for m in outside for t in _local_states(m, recurse=False)])
+        # Pre-order traversal, as Lightning's materialisation does: the same reset_parameters calls in the
+        # same order draw the same random numbers as initialising the whole model in one process.
+        skip: set[int] = set()
+        for m in module.modules():
+            if id(m) in skip:
+                continue
+            if id(m) in block_ids:
+                skip.update(id(sub) for sub in m.modules())
+                if _has_meta(m):
+                    _materialise_tree(m, device, uninitialised)
+                elif sync_module_states:
+                    _broadcast_from_rank0(_local_states(m, recurse=True))
+                if activation_checkpointing:
+                    apply_activation_checkpointing(m)
+                if compile_kwargs is not None:
+                    apply_compile(m, compile_kwargs)
+                fully_shard(m, **kwargs)
+            elif meta and _direct_states(m):
+                _reset(m, uninitialised)
+    if uninitialised:
+        warnings.warn(
+            "Initialisation from the meta device is incomplete: these modules have parameters or buffers but"
+            f" no reset_parameters() to initialise them, so they hold uninitialised memory:"
+            f" {', '.join(sorted(uninitialised))}. Define reset_parameters() on them or load weights"
+            " (load_full_state_dict) before training.",
+            stacklevel=2,
+        )
+    fully_shard(module, **kwargs)
+    for name in forward_methods:
+        if callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
+    return plan
+
+
+# --- training-time helpers ------------------------------------------------------------------------------
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Turn FSDP's gradient reduction on or off for every FSDP group in ``module``.
+
+    Off: gradients accumulate unsharded and nothing is communicated in backward (non-final micro-batches
+    of gradient accumulation); the next backward with it on reduce-scatters the accumulated gradients.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(enabled, recurse=False)
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module) -> Iterator[None]:
+    """Context manager: no gradient reduction inside (see :func:`set_gradient_sync`)."""
+    set_gradient_sync(module, False)
+    try:
+        yield
+    finally:
+        set_gradient_sync(module, True)
+
+
+def _grad_group_key(g: torch.Tensor) -> tuple:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(g, DTensor):
+        mesh = g.device_mesh
+        return (1, str(mesh.mesh_dim_names), str(mesh.mesh.tolist()), str(g.placements))
+    return (0, str(g.device), "", "")
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for any mix of plain and sharded (DTensor) gradients.
+
+    Gradients are grouped by mesh and placement; each group's norm is reduced over its mesh, the group
+    norms are combined into the global norm, and every gradient is scaled in place. Every rank must call
+    it with the same parameters (it communicates once per DTensor group). Returns the total norm.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_grad_group_key(g), []).append(g)
+    norms = []
+    device = None
+    for key in sorted(groups):
+        norm = torch.nn.utils.get_total_norm(groups[key], norm_type, False, foreach)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        device = device or norm.device
+        norms.append(norm.to(device))
+    total = torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients is non-finite ({total.item()}); set"
+            " error_if_nonfinite=False to scale them anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for key in sorted(groups):
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in groups[key]]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in local:
+            by_device.setdefault(t.device, []).append(t)
+        for dev, ts in by_device.items():
+            torch._foreach_mul_(ts, coef.to(dev))
+    return total
+
+
+# --- full state dicts -----------------------------------------------------------------------------------
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor] | str | Path | None, *, strict: bool = True
+) -> None:
+    """Load a full (unsharded) state dict into a sharded ``module``: rank 0 reads it, the others receive it.
+
+    ``state_dict`` is a path (``torch.load(..., mmap=True, weights_only=True)`` on rank 0 only) or a dict;
+    other ranks may pass ``None``. Tensors go out one at a time, and each rank keeps only its shard.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    full: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        if state_dict is None:
+            raise ValueError("rank 0 needs the full state dict (a path or a dict); got None")
+        if isinstance(state_dict, (str, Path)):
+            full = torch.load(state_dict, mmap=True, weights_only=True, map_location="cpu")
+        else:
+            full = dict(state_dict)
+    set_model_state_dict(
+        module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    )
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on CPU, on rank 0 only (other ranks get ``{}``); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# --- plans ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FSDPPlan:
+    """What :func:`apply_fsdp` will do to a model and what it costs per rank."""
+
+    blocks: BlockPlan
+    dims: ParallelDims
+    memory: MemoryEstimate
+    reshard_after_forward: bool = True
+    precision: str = "32-true"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    cpu_offload: bool = False
+
+    def describe(self) -> str:
+        mode = "ZeRO-3 (reshard_after_forward=True)" if self.reshard_after_forward else "ZeRO-2 (False)"
+        flags = [
+            f"precision {self.precision}",
+            f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}",
+            f"compile {'on' if self.compile else 'off'}",
+        ]
+        if self.cpu_offload:
+            flags.append("cpu offload")
+        classes = ", ".join(c.__name__ for c in self.blocks.block_types)
+        return "\n".join(
+            [
+                f"FSDP2 plan ({self.blocks.how} block discovery): block classes {classes}",
+                f"  {self.blocks.describe()}",
+                f"  mesh {self.dims.describe()}; {mode}; {', '.join(flags)}",
+                f"  estimated parameters + gradients + optimizer state: {self.memory.describe()}",
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def plan_fsdp(
+    module: nn.Module,
+    *,
+    world_size: int,
+    shard_size: int | None = None,
+    block_types: BlockTypes | BlockPlan = "auto",
+    optimizer: str = "adamw",
+    precision: str = "32-true",
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    cpu_offload: bool = False,
+) -> FSDPPlan:
+    """The plan the ``fsdp_blocks`` / ``hsdp`` strategies log, computed without a Trainer or process group.
+
+    Works on a model built on the meta device. ``shard_size`` < ``world_size`` means HSDP. ``optimizer``
+    (``"adamw"``, ``"sgd"``, ...) sets the optimizer state in the memory estimate.
+    """
+    blocks = block_types if isinstance(block_types, BlockPlan) else find_transformer_blocks(module, block_types)
+    if shard_size is None or shard_size == world_size:
+        dims = ParallelDims(world_size=world_size)
+    else:
+        dims = ParallelDims.for_hybrid_shard(world_size, shard_size)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if precision in ("bf16-true", "16-true"):
+        param_dtype: torch.dtype = torch.bfloat16 if precision == "bf16-true" else torch.float16
+    else:
+        param_dtype = next((p.dtype for p in module.parameters()), torch.float32)
+    memory = estimate_memory(
+        trainable,
+        strategy="hsdp" if dims.replicate_enabled else "fsdp",
+        world_size=world_size,
+        shard_size=dims.data_parallel_shard,
+        param_dtype=param_dtype,
+        optimizer=optimizer,
+    )
+    return FSDPPlan(
+        blocks=blocks,
+        dims=dims,
+        memory=memory,
+        reshard_after_forward=reshard_after_forward,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        compile=bool(compile),
+        cpu_offload=cpu_offload,
+    )

@@ -1,0 +1,362 @@
+"""TransformerFSDPStrategy ("fsdp_blocks"): FSDP2 per transformer block, blocks found automatically.
+
+A thin shell over :func:`lit_parallel.parallel.apply_fsdp`. It builds on Lightning's
+``ModelParallelStrategy`` (launcher, process group, distributed checkpoints) and changes what that
+strategy leaves to the user: no ``configure_model`` is required (the strategy shards the model itself),
+the mesh comes from :class:`~lit_parallel.parallel.ParallelDims`, the sampler spans every data-parallel
+rank, gradient accumulation skips the reduce-scatter on non-final micro-batches, gradient clipping works
+on sharded (DTensor) gradients, and the Trainer's ``precision`` flag maps onto FSDP2's mixed-precision
+policy (autocast stays off, so exactly one of them casts).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+from typing_extensions import override
+
+from lit_parallel.parallel.blocks import find_transformer_blocks
+from lit_parallel.parallel.fsdp import (
+    SUPPORTED_PRECISIONS,
+    FSDPPlan,
+    apply_fsdp,
+    clip_grad_norm_,
+    load_full_state_dict,
+    mixed_precision_policy,
+    no_gradient_sync,
+    offload_policy,
+    plan_fsdp,
+)
+from lit_parallel.parallel.mesh import ParallelDims
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+log = logging.getLogger(__name__)
+
+# LightningModule methods that run the model: FSDP gathers the root group's parameters around them.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _info(msg: str) -> None:
+    if rank_zero_only.rank == 0:
+        log.info(msg)
+
+
+class _ShardedClipping:
+    """Gradient clipping for any mix of plain and DTensor gradients (Lightning's calls torch's, which
+    refuses the mix)."""
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for p in self.main_params(optimizer):  # type: ignore[attr-defined]
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                g.clamp_(min=-clip_val, max=clip_val)
+
+
+class _FSDPPrecision(_ShardedClipping, Precision):
+    """``32-true`` or ``bf16-mixed`` under FSDP2: no autocast (FSDP's MixedPrecisionPolicy casts)."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        self.precision = precision  # type: ignore[assignment]
+
+
+class _FSDPHalfPrecision(_ShardedClipping, HalfPrecision):
+    """``bf16-true`` / ``16-true``: parameters stored in half precision, no FSDP casting."""
+
+
+class TransformerFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 applied to each transformer block, then to the rest of the model; no wrap policy needed.
+
+    Args:
+        block_types: ``"auto"`` (default): repeated sibling modules of one class that hold most of the
+            parameters (see :func:`~lit_parallel.parallel.find_transformer_blocks`). Or a set of classes,
+            class names (``{"GPTBlock"}``, handy in YAML) or import paths, or a predicate
+            ``fn(module) -> bool``.
+        reshard_after_forward: ``True`` (default, ZeRO-3): free gathered parameters after forward and
+            gather again in backward, on every group including the root. ``False`` (ZeRO-2): keep them
+            until backward ends (one all-gather per step instead of two, more memory).
+        mixed_precision: an explicit ``torch.distributed.fsdp.MixedPrecisionPolicy``. Normally leave it
+            ``None`` and use the Trainer's ``precision``: ``"32-true"`` (no casting), ``"bf16-mixed"``
+            (FSDP computes and all-gathers in bf16 and reduces gradients in fp32; Lightning's autocast is
+            turned off so only FSDP casts), ``"bf16-true"`` / ``"16-true"`` (parameters stored in half
+            precision). A policy combined with ``"bf16-true"`` / ``"16-true"``, or with ``"bf16-mixed"``
+            but another compute dtype, is refused as conflicting.
+        activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block after activation checkpointing and before sharding;
+            ``True`` or a dict of ``torch.compile`` arguments (``{"backend": "aot_eager"}``).
+        cpu_offload: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer step on the CPU).
+            On a CPU-only run everything is already in CPU memory: accepted as a no-op with a warning.
+        init_from: a full ``state_dict`` file (keys of the LightningModule) loaded into the sharded model
+            after setup: rank 0 reads it, the other ranks receive their shards. Combine with a model built
+            on the meta device in ``configure_model`` so no rank ever holds the whole model.
+        save_distributed_checkpoint: ``True`` (default): one shard per rank
+            (``torch.distributed.checkpoint``, loadable on any number of ranks; convert with
+            ``lit-parallel consolidate``). ``False``: one full file written by rank 0.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ... (default: chosen from the device).
+        timeout: process group timeout.
+
+    The plan (block classes, number of blocks, parameters per block, estimated bytes per rank) is logged
+    on rank 0 and kept as ``strategy.plan``; :func:`~lit_parallel.parallel.plan_fsdp` computes the same
+    without a Trainer. Meshes use Lightning's dimension names; ``self.device_mesh`` works in the module.
+    """
+
+    strategy_name = "fsdp_blocks"
+
+    def __init__(
+        self,
+        block_types: str | Iterable[type | str] | Callable[[nn.Module], bool] = "auto",
+        reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool | Mapping[str, Any] = False,
+        cpu_offload: bool = False,
+        init_from: _PATH | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if isinstance(block_types, str) and block_types != "auto" and "." not in block_types:
+            block_types = {block_types}
+        if not (isinstance(block_types, str) or callable(block_types) or isinstance(block_types, Iterable)):
+            raise ValueError(
+                f"block_types={block_types!r} must be 'auto', a set of classes or class names, or a predicate"
+            )
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward!r} must be True (ZeRO-3) or False (ZeRO-2)"
+            )
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise ValueError(
+                f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy or"
+                " None (then Trainer(precision=...) decides)"
+            )
+        if not isinstance(compile, (bool, Mapping)):
+            raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile arguments")
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._block_types = block_types
+        self._reshard_after_forward = reshard_after_forward
+        self._user_mixed_precision = mixed_precision
+        self._activation_checkpointing = activation_checkpointing
+        self._compile = compile
+        self._cpu_offload = cpu_offload
+        self._init_from = init_from
+        self._mp_policy: MixedPrecisionPolicy | None = None
+        self._dims: ParallelDims | None = None
+        self._created_process_group = False
+        self.plan: FSDPPlan | None = None
+
+    # --- configuration, checked before any process exists -----------------------------------------------
+
+    def _parallel_dims(self) -> ParallelDims:
+        return ParallelDims(world_size=self.num_nodes * self.num_processes)
+
+    def _validate(self) -> None:
+        """Sizes and precision; runs in the Trainer's constructor (before launching) and again at setup."""
+        self._dims = self._parallel_dims()
+        self._resolve_precision()
+        if self._init_from is not None and self.global_rank == 0 and not Path(self._init_from).is_file():
+            raise FileNotFoundError(
+                f"init_from={str(self._init_from)!r} is not a file; pass the path of a full state_dict saved"
+                " with torch.save (e.g. the output of `lit-parallel consolidate`)"
+            )
+
+    def _resolve_precision(self) -> None:
+        plugin = self._precision_plugin
+        if isinstance(plugin, (_FSDPPrecision, _FSDPHalfPrecision)):
+            return
+        plugin = plugin if plugin is not None else Precision()
+        flag = str(getattr(plugin, "precision", "32-true"))
+        name = f"{type(self).__name__}"
+        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or flag not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"Trainer(precision={flag!r}) ({type(plugin).__name__}) is not supported by {name}; choose"
+                f" precision= one of {', '.join(SUPPORTED_PRECISIONS)} (bf16-mixed is FSDP2's mixed precision)"
+            )
+        user = self._user_mixed_precision
+        if user is not None:
+            if flag in ("bf16-true", "16-true"):
+                raise ValueError(
+                    f"conflicting precision: {name}(mixed_precision={user}) together with"
+                    f" Trainer(precision={flag!r}), which already stores the parameters in half precision, so"
+                    " both would cast. Fix: use Trainer(precision='32-true') with the policy, or drop"
+                    " mixed_precision"
+                )
+            if flag == "bf16-mixed" and user.param_dtype != torch.bfloat16:
+                raise ValueError(
+                    f"conflicting precision: Trainer(precision='bf16-mixed') asks for bf16 compute but"
+                    f" {name}(mixed_precision=...) has param_dtype={user.param_dtype}. Fix: pass"
+                    " Trainer(precision='32-true') to let the policy decide, or a policy with"
+                    " param_dtype=torch.bfloat16, or drop mixed_precision"
+                )
+            self._mp_policy = user
+        else:
+            self._mp_policy = mixed_precision_policy(flag)
+        if isinstance(plugin, HalfPrecision):
+            self._precision_plugin = _FSDPHalfPrecision(flag)  # type: ignore[arg-type]
+        else:
+            self._precision_plugin = _FSDPPrecision(flag)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._validate()
+        super()._configure_launcher()
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        # Without configure_model the model is complete now: find the blocks before any process group
+        # exists, so a wrong block_types fails fast.
+        if not is_overridden("configure_model", model) and any(True for _ in model.parameters()):
+            find_transformer_blocks(model, self._block_types)
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError("Accessing the parallel sizes before the Trainer has configured them is not allowed.")
+        return self._dims
+
+    @override
+    def setup_environment(self) -> None:
+        self._validate()
+        self._created_process_group = not dist.is_initialized()
+        self._setup_distributed()
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.parallel_dims.sampler_kwargs(self.device_mesh)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError(
+                f"{type(self).__name__} applies FSDP2 itself; the model already contains FSDP1"
+                " (FullyShardedDataParallel) wrappers. Remove them from configure_model."
+            )
+        if not isinstance(self.model, FSDPModule):
+            self._parallelize(trainer)
+        self.model_to_device()
+        self.barrier()
+        # FSDP2 gathers parameters into ordinary tensors that later training reuses; inference-mode tensors
+        # cannot be reused by autograd, so evaluation runs under no_grad instead.
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            raise TypeError(
+                f"{type(self).__name__} shards the model itself, but configure_model already produced"
+                " DTensor parameters (fully_shard / parallelize_module). Remove that code from"
+                " configure_model, or use Lightning's ModelParallelStrategy for hand-written parallelism."
+            )
+        # bf16-true / 16-true: cast before sharding so the shards are stored in half precision.
+        self.model = self.precision_plugin.convert_module(self.model)
+        blocks = find_transformer_blocks(self.model, self._block_types)
+        self.plan = plan_fsdp(
+            self.model,
+            world_size=self.parallel_dims.world_size,
+            shard_size=self.parallel_dims.data_parallel_shard,
+            block_types=blocks,
+            precision=str(self.precision_plugin.precision),
+            reshard_after_forward=self._reshard_after_forward,
+            activation_checkpointing=self._activation_checkpointing,
+            compile=bool(self._compile),
+            cpu_offload=self._cpu_offload,
+        )
+        _info(f"{self.strategy_name}: {self.plan.describe()}")
+        apply_fsdp(
+            self.model,
+            self.parallel_dims.fsdp_mesh(self.device_mesh),
+            block_types=blocks,
+            reshard_after_forward=self._reshard_after_forward,
+            mp_policy=self._mp_policy,
+            offload=offload_policy(self._cpu_offload, self.root_device),
+            activation_checkpointing=self._activation_checkpointing,
+            compile=self._compile,
+            forward_methods=_STEP_METHODS,
+        )
+        if self._init_from is not None:
+            load_full_state_dict(self.model, self._init_from if self.global_rank == 0 else None)
+            _info(f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the sharded model")
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation: no reduce-scatter (FSDP2's
+        ``set_requires_gradient_sync(False)``); the final one reduces the accumulated gradients."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self.model, FSDPModule):
+            with no_gradient_sync(self.model):
+                yield None
+        else:
+            yield None
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        # Only a process group this strategy created goes away; one that existed before (torchrun, a
+        # launcher, another strategy) belongs to its creator.
+        if self._created_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._created_process_group = False
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="FSDP2 per transformer block (blocks found automatically), ZeRO-2/3, mixed precision",
+        )
