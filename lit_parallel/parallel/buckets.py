@@ -99,7 +99,10 @@ def choose_bucket_sizes(
     else:
         rest, limited_by = latency_bound, "latency"
     if rest > max(total / 2, min_bytes):
-        rest, limited_by = max(total / 2, min_bytes), "two-bucket overlap"
+        if total / 2 >= min_bytes:
+            rest, limited_by = total / 2, "two-bucket overlap"
+        else:
+            rest, limited_by = float(min_bytes), "min_bytes: the model is smaller than two minimum buckets"
     rest_b = _align(rest)
     first_b = _align(min(max(alpha * beta, min_bytes), rest_b))
     reason = (

@@ -203,7 +203,8 @@ class CommCounter(TorchDispatchMode):
 
     ``records`` holds one :class:`Collective` per call; ``counts()`` and ``sent_bytes()`` summarise.
     Payload: all-gather = gathered output, reduce-scatter = unreduced input, all-reduce / broadcast = the
-    tensor. Collectives issued from other threads are not seen.
+    tensor. DTensor operations are seen as the collectives they issue. Collectives issued from other
+    threads are not seen.
     """
 
     def __init__(self) -> None:
@@ -211,16 +212,25 @@ class CommCounter(TorchDispatchMode):
         self.records: list[Collective] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor run first and desugar into the collectives it needs; they come back here
+            # (as in torch's CommDebugMode).
+            return NotImplemented
         kwargs = kwargs or {}
         if func.namespace == "c10d":
-            name = func._schema.name.split("::", 1)[1]
-            kind = _KINDS.get(name)
+            kind = _KINDS.get(func._schema.name.split("::", 1)[1])
             if kind is not None:
-                self.records.append(Collective(kind, self._payload(kind, name, args), _group_size(args)))
+                self.records.append(Collective(kind, self._payload(kind, args), _group_size(args)))
+        elif func.namespace == "_c10d_functional":  # DTensor redistribution, functional collectives
+            record = _functional_record(func._schema.name.split("::", 1)[1], args)
+            if record is not None:
+                self.records.append(record)
         return func(*args, **kwargs)
 
     @staticmethod
-    def _payload(kind: str, name: str, args: tuple) -> int:
+    def _payload(kind: str, args: tuple) -> int:
         if kind == "all_gather":
             out = _tensors(args[0])
         elif kind == "reduce_scatter":
@@ -241,6 +251,32 @@ class CommCounter(TorchDispatchMode):
 
     def clear(self) -> None:
         self.records.clear()
+
+
+def _functional_group_size(group: Any) -> int:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(group, dist.ProcessGroup):
+        return group.size()
+    if isinstance(group, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(group).size()
+    return _resolve_process_group(group).size()
+
+
+def _functional_record(name: str, args: tuple) -> Collective | None:
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    if name == "all_reduce":  # (input, reduce_op, group_name)
+        return Collective("all_reduce", nbytes(args[0]), _functional_group_size(args[2]))
+    if name == "all_gather_into_tensor":  # (input, group_size, group_name)
+        return Collective("all_gather", nbytes(args[0]) * args[1], args[1])
+    if name == "reduce_scatter_tensor":  # (input, reduce_op, group_size, group_name)
+        return Collective("reduce_scatter", nbytes(args[0]), args[2])
+    if name == "broadcast":  # (input, src, group_name)
+        return Collective("broadcast", nbytes(args[0]), _functional_group_size(args[2]))
+    return None
 
 
 def estimate_comm_bytes(

@@ -7,8 +7,9 @@ the arithmetic), and is the only place that calls ``init_device_mesh``. Dimensio
 - ``data_parallel_replicate``: replicas of the model (across nodes in HSDP)
 - ``data_parallel_shard``: ranks a parameter is sharded over (FSDP)
 - ``tensor_parallel``: ranks a block's weights are split over
-- ``data_parallel``: the two data-parallel dimensions flattened into one (all ranks that see different
-  data; samplers and metric reductions use it)
+- ``data_parallel``: all ranks that see different data (samplers and metric reductions use it); a
+  mesh dimension of its own unless data parallelism is split, then the replicate and shard dimensions
+  flattened into one
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ DP_REPLICATE = "data_parallel_replicate"
 DP_SHARD = "data_parallel_shard"
 TP = "tensor_parallel"
 DP = "data_parallel"
-MESH_DIM_NAMES = (DP_REPLICATE, DP_SHARD, TP)
 
 
 def divisors(n: int) -> list[int]:
@@ -122,14 +122,24 @@ class ParallelDims:
         return (self.data_parallel_replicate, self.data_parallel_shard, self.tensor_parallel)
 
     @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """Dimensions of the mesh :meth:`build_mesh` creates: ``(data_parallel, tensor_parallel)`` (as
+        Lightning's ModelParallelStrategy) unless data parallelism is split into replicate x shard."""
+        return (DP_REPLICATE, DP_SHARD, TP) if self.replicate_enabled else (DP, TP)
+
+    @property
     def fsdp_dim_names(self) -> tuple[str, ...]:
-        """Mesh dimensions FSDP runs over: (replicate, shard) for HSDP, otherwise just shard."""
-        return (DP_REPLICATE, DP_SHARD) if self.replicate_enabled else (DP_SHARD,)
+        """Mesh dimensions FSDP runs over: (replicate, shard) for HSDP, otherwise ``data_parallel``."""
+        return (DP_REPLICATE, DP_SHARD) if self.replicate_enabled else (DP,)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 3-D mesh ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)`` plus the flattened
-        ``data_parallel`` dimension. Every dimension exists (size 1 when unused) so lookups by name always work.
-        Needs an initialised default process group of ``world_size`` ranks."""
+        """Build the device mesh (the only ``init_device_mesh`` call in the package).
+
+        Without replication: 2-D ``(data_parallel, tensor_parallel)``. With replication: 3-D
+        ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)`` plus ``data_parallel``, the
+        replicate and shard dimensions flattened. Unused dimensions have size 1, so lookups by name work.
+        Needs an initialised default process group of ``world_size`` ranks.
+        """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -138,18 +148,27 @@ class ParallelDims:
                 f"ParallelDims(world_size={self.world_size}) does not match the process group's world size"
                 f" {dist.get_world_size()}"
             )
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        if not self.replicate_enabled:
+            return init_device_mesh(device_type, (self.data_parallel, self.tensor_parallel), mesh_dim_names=(DP, TP))
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP))
         mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
         return mesh
 
+    def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh of all data-parallel ranks (the flattened dimension when data parallelism is split)."""
+        if self.replicate_enabled:
+            # _flatten returns the mesh flattened in build_mesh (slicing it from the root is deprecated)
+            return mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
+        return mesh[DP]
+
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The sub-mesh FSDP shards (1-D) or hybrid-shards (2-D) over."""
+        """The sub-mesh FSDP shards (1-D) or hybrid-shards (2-D: Replicate, Shard) over."""
         names = self.fsdp_dim_names
         return mesh[names[0]] if len(names) == 1 else mesh[names]
 
     def sampler_kwargs(self, mesh: DeviceMesh) -> dict[str, Any]:
         """``DistributedSampler`` arguments: every data-parallel rank reads different samples."""
-        return {"num_replicas": self.data_parallel, "rank": mesh[DP].get_local_rank()}
+        return {"num_replicas": self.data_parallel, "rank": self.data_parallel_mesh(mesh).get_local_rank()}
 
     def describe(self) -> str:
         return (

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``lit-parallel bench NAME``: programs that time, never tests."""

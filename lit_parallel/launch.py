@@ -1,0 +1,65 @@
+"""Run a module's worker function on N local ranks with torchrun (used by `lit-parallel` commands).
+
+The parent picks a free port, starts ``torch.distributed.run`` with ``python -m MODULE --worker``,
+lets the ranks' output through, and returns what rank 0 wrote as JSON. A failing rank ends every
+rank (torchrun's agent stops the others) and the parent raises with the exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    module: str, nprocs: int, worker_args: list[str], *, timeout: float | None = None
+) -> dict[str, Any]:
+    """Start ``python -m module --worker --result FILE *worker_args`` on ``nprocs`` ranks; return rank 0's JSON."""
+    if nprocs < 1:
+        raise ValueError(f"--devices={nprocs} must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="lit-parallel-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nprocs}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "--max-restarts=0",
+            "--monitor-interval=0.1",
+            "-m",
+            module,
+            "--worker",
+            "--result",
+            str(result),
+            *worker_args,
+        ]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        proc = subprocess.run(cmd, env=env, timeout=timeout, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{module} failed on {nprocs} ranks (exit code {proc.returncode}); see the output above"
+            )
+        return json.loads(result.read_text())
+
+
+def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    """Rank 0 writes its result for :func:`run_ranks` (atomically: temp file, then rename)."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
