@@ -21,12 +21,12 @@ demo: install
 	$(BIN)/lit-parallel demo
 
 lint: install
-	$(BIN)/ruff check lit_parallel tests recipes
-	$(BIN)/ruff format --check lit_parallel tests recipes
+	$(BIN)/ruff check lit_parallel tests $(wildcard recipes)
+	$(BIN)/ruff format --check lit_parallel tests $(wildcard recipes)
 
 format: install
-	$(BIN)/ruff format lit_parallel tests recipes
-	$(BIN)/ruff check --fix lit_parallel tests recipes
+	$(BIN)/ruff format lit_parallel tests $(wildcard recipes)
+	$(BIN)/ruff check --fix lit_parallel tests $(wildcard recipes)
 
 test: lint
 	$(BIN)/python -m pytest tests
