@@ -8,9 +8,23 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lit_parallel.callbacks import (
+    CrossRankMetrics,
+    ParallelTrainingError,
+    ParallelTrainingWarning,
+    PitfallReport,
+    SetEpochCheck,
+    SyncBatchNormConversion,
+    current_sample_indices,
+    gather_by_index,
+    per_rank_seed,
+    scaled_learning_rate,
+)
 from lit_parallel.strategies import (
     ALL_STRATEGIES,
+    AutoStrategy,
     HybridShardStrategy,
+    TensorParallelStrategy,
     TransformerFSDPStrategy,
     TunedDDPStrategy,
 )
@@ -35,4 +49,22 @@ def _register_strategies() -> None:
 _configure_logging()
 _register_strategies()
 
-__all__ = ["HybridShardStrategy", "TransformerFSDPStrategy", "TunedDDPStrategy", "__version__"]
+__all__ = [
+    "AutoStrategy",
+    "HybridShardStrategy",
+    "TensorParallelStrategy",
+    "TransformerFSDPStrategy",
+    "TunedDDPStrategy",
+    "__version__",
+    # callbacks (issue 5)
+    "CrossRankMetrics",
+    "ParallelTrainingError",
+    "ParallelTrainingWarning",
+    "PitfallReport",
+    "SetEpochCheck",
+    "SyncBatchNormConversion",
+    "current_sample_indices",
+    "gather_by_index",
+    "per_rank_seed",
+    "scaled_learning_rate",
+]

@@ -13,35 +13,68 @@ import sys
 # name -> (module, one-line help). Later issues add their benchmarks here.
 BENCHMARKS = {
     "ddp": ("lit_parallel.bench.ddp", "ddp_tuned vs Lightning's ddp vs a plain PyTorch DDP loop"),
+    "fsdp": (
+        "lit_parallel.bench.fsdp",
+        "fsdp_blocks vs Lightning's ModelParallelStrategy (hand-written configure_model) vs ddp_tuned",
+    ),
+    "tp": ("lit_parallel.bench.tp", "tp_dp (tensor + data parallel) vs fsdp_blocks on the same model"),
+    "callbacks": (
+        "lit_parallel.bench.callbacks",
+        "cost of SetEpochCheck, CrossRankMetrics, PitfallReport and SyncBatchNormConversion per step and epoch",
+    ),
+    "all": (
+        "lit_parallel.bench",
+        "the strategy benchmarks (ddp, fsdp, tp) in one go: one JSON file and PNG plots (matplotlib)",
+    ),
 }
 
 COMMANDS = {
     "demo": ("lit_parallel.demo", "short 2-process CPU training run with a summary of what was chosen"),
+    "consolidate": ("lit_parallel.checkpoint", "convert a sharded checkpoint into one full state_dict file"),
+    "doctor": (
+        "lit_parallel.doctor",
+        "check this machine for distributed training: versions, all-reduce, bandwidth",
+    ),
+    "advise": (
+        "lit_parallel.advise",
+        "per-rank memory of every strategy (ZeRO accounting) for a model and cluster, and which to use",
+    ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _selected(argv: list[str]) -> tuple[str | None, str | None]:
+    """The command (and benchmark) named in ``argv``: only their modules are imported."""
+    words = [a for a in argv if not a.startswith("-")]
+    command = words[0] if words else None
+    return command, (words[1] if command == "bench" and len(words) > 1 else None)
+
+
+def _add(sub, name: str, module: str, help_text: str, selected: bool) -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    if selected:  # importing a command pulls in torch and Lightning: only for the one that runs
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv`` (default ``sys.argv[1:]``), with the selected command's arguments."""
+    command, benchmark = _selected(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="lit-parallel", description="Fast, correct multi-device training for PyTorch Lightning."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        _add(sub, name, module, help_text, name == command)
     bench = sub.add_parser("bench", help="benchmarks (median step time, bytes communicated, throughput)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
-        p = bench_sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        _add(bench_sub, name, module, help_text, command == "bench" and name == benchmark)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except (ValueError, RuntimeError) as err:

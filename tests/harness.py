@@ -89,7 +89,27 @@ def _base_env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def launch(
+_PORT_CLASH = ("Address already in use", "EADDRINUSE", "address already in use")
+
+
+def launch(scenarios: list[str] | str, nprocs: int, tmp_path: Path, **kwargs: Any) -> LaunchResult:
+    """Run ``scenarios`` on ``nprocs`` real ranks (per node) and return their results.
+
+    See :func:`_launch_once` for the arguments. A free port is picked by binding and releasing it; if
+    another process grabs it before the ranks bind it (several test runs on one machine), the launch
+    is retried once on a new port. ``expect_failure=True`` returns a failing run's result instead of
+    raising :class:`DistributedFailure`.
+    """
+    expect_failure = kwargs.pop("expect_failure", False)
+    result = _launch_once(scenarios, nprocs, tmp_path, **kwargs)
+    if result.failed and any(m in result.output for m in _PORT_CLASH):
+        result = _launch_once(scenarios, nprocs, tmp_path, **kwargs)
+    if result.failed and not expect_failure:
+        raise DistributedFailure(result.describe_failure())
+    return result
+
+
+def _launch_once(
     scenarios: list[str] | str,
     nprocs: int,
     tmp_path: Path,
@@ -98,10 +118,9 @@ def launch(
     launcher: str = "torchrun",
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
-    expect_failure: bool = False,
     nnodes: int = 1,
 ) -> LaunchResult:
-    """Run ``scenarios`` on ``nprocs`` real ranks (per node) and return their results.
+    """One launch of ``scenarios`` on ``nprocs`` real ranks (per node).
 
     Args:
         scenarios: ``"module:function"`` targets, run in order in the same processes.
@@ -109,7 +128,6 @@ def launch(
             process group before the scenarios run) or ``"lightning"`` (one ``python`` process; the
             scenario builds a ``Trainer(devices=nprocs)`` and Lightning's launcher starts the others).
         nnodes: with torchrun, run that many agents on loopback as separate "nodes" (c10d rendezvous).
-        expect_failure: return the result of a failing run instead of raising.
     """
     if isinstance(scenarios, str):
         scenarios = [scenarios]
@@ -195,8 +213,6 @@ def launch(
         expected_ranks=nprocs * nnodes,
         launcher=launcher,
     )
-    if result.failed and not expect_failure:
-        raise DistributedFailure(result.describe_failure())
     return result
 
 

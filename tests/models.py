@@ -139,7 +139,9 @@ class LlamaAttention(nn.Module):
         q, k = _apply_rope(q, cos[:t], sin[:t]), _apply_rope(k, cos[:t], sin[:t])
         rep = q.shape[2] // k.shape[2]  # grouped KV heads: each serves `rep` query heads
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -182,7 +184,9 @@ class Llama(nn.Module):
 
     def reset_parameters(self) -> None:
         # the rotary tables are buffers computed at construction; recompute them after meta-device init
-        cos, sin = _rope(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        cos, sin = _rope(
+            self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device
+        )
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)

@@ -2,8 +2,10 @@
 
 Ranks that read different samples form the data-parallel group: the whole world for DDP-like strategies,
 ``strategy.device_mesh["data_parallel"]`` for strategies with a device mesh (Lightning's
-``ModelParallelStrategy`` and ours). The ranks of one tensor-parallel group read the same samples, so
-only the first of them counts them (:attr:`DataParallelGroup.counts_samples`).
+``ModelParallelStrategy`` and ours). With tensor parallelism there is one such group per
+tensor-parallel coordinate, and they read the same samples: checks made inside the group see each
+sample once; reductions over the whole world (torchmetrics, ``self.log(sync_dist=True)``) must let only
+one member of each tensor-parallel group count (:attr:`DataParallelGroup.counts_samples`).
 
 Every decision a callback takes from these collectives is taken from gathered data, so every rank
 takes the same one: in ``mode="raise"`` all ranks raise together and none is left waiting.
@@ -42,7 +44,7 @@ class DataParallelGroup:
         rank: this rank's index in the group.
         size: number of ranks in the group.
         counts_samples: ``False`` on a rank that reads the same samples as a lower rank of its
-            tensor-parallel group; its samples are counted there.
+            tensor-parallel group; in reductions over the whole world its samples are counted there.
         device: where collectives on ``group`` take their tensors (CPU for gloo, the GPU for NCCL).
     """
 

@@ -187,7 +187,10 @@ def sampler_chain(dataloader: Any, root: str = "dataloader", max_depth: int = 4)
     """
     links: list[ChainLink] = []
     seen: set[int] = set()
-    start = [(f"{root}.{name}", getattr(dataloader, name, None)) for name in ("sampler", "batch_sampler", "dataset")]
+    start = [
+        (f"{root}.{name}", getattr(dataloader, name, None))
+        for name in ("sampler", "batch_sampler", "dataset")
+    ]
     frontier = [(path, obj, 0) for path, obj in start if obj is not None]
     while frontier:
         path, obj, depth = frontier.pop(0)

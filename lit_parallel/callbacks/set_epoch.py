@@ -91,8 +91,26 @@ class _LoaderState:
 
     previous_order: torch.Tensor | None = None
     fingerprints: list[torch.Tensor] = field(default_factory=list)
+    n_fingerprints: int = 0
+    n_pending: int = 0
     first_fingerprints: list[torch.Tensor] = field(default_factory=list)
     n_first: int = 0
+
+    def add(self, fp: torch.Tensor, keep: int) -> None:
+        """Keep the epoch's sketch (the ``keep`` smallest fingerprints) bounded as batches arrive."""
+        self.fingerprints.append(fp)
+        self.n_fingerprints += len(fp)
+        self.n_pending += len(fp)
+        if self.n_pending > 64 * keep:
+            self.fingerprints = [bottom_k(torch.cat(self.fingerprints), keep)]
+            self.n_pending = 0
+        if self.n_first < _ORDER_PREFIX:
+            self.first_fingerprints.append(fp[: _ORDER_PREFIX - self.n_first])
+            self.n_first += min(len(fp), _ORDER_PREFIX - self.n_first)
+
+    def reset_epoch(self) -> None:
+        self.fingerprints, self.first_fingerprints = [], []
+        self.n_fingerprints = self.n_pending = self.n_first = 0
 
 
 class SetEpochCheck(Callback):
@@ -139,12 +157,12 @@ class SetEpochCheck(Callback):
         self._states: dict[int, _LoaderState] = {}
         self._tapped: list[tuple[Any, _IndexRecorder]] = []
         self._dp: DataParallelGroup | None = None
-        self._trainer: Any = None
+        self._epoch = 0
+        self._by_content: list[tuple[int, int]] = []
 
     # ----------------------------------------------------------------------------------------- hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            self._trainer = trainer
             add_dataloader_hook(trainer, self._on_dataloader)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -168,12 +186,17 @@ class SetEpochCheck(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         for state in self._states.values():
-            state.fingerprints.clear()
-            state.first_fingerprints.clear()
-            state.n_first = 0
+            state.reset_epoch()
+        # loaders whose index sampler could not be tapped (IterableDataset, ...) are checked by content
+        loaders = self._train_loaders(trainer)
+        self._by_content = [
+            (i, len(loaders))
+            for i, (_, dl) in enumerate(loaders)
+            if index_sampler(dl) is None or find_tap(index_sampler(dl), _IndexRecorder) is None
+        ]
         if not self.fix:
             return
-        for i, (name, dl) in enumerate(self._train_loaders(trainer)):
+        for name, dl in self._train_loaders(trainer):
             for link in self._missed(dl, name):
                 link.obj.set_epoch(trainer.current_epoch)
                 if link.path not in self.fixed:
@@ -185,22 +208,13 @@ class SetEpochCheck(Callback):
                     )
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        loaders = self._train_loaders(trainer)
-        for i, (_, dl) in enumerate(loaders):
-            sampler = index_sampler(dl)
-            if sampler is not None and find_tap(sampler, _IndexRecorder) is not None:
-                continue
-            part = batch if len(loaders) == 1 else _sub_batch(batch, i)
-            fp = batch_fingerprints(part)
-            if fp is None:
-                continue
-            state = self._states.setdefault(i, _LoaderState())
-            state.fingerprints.append(fp)
-            if state.n_first < _ORDER_PREFIX:
-                state.first_fingerprints.append(fp[: _ORDER_PREFIX - state.n_first])
-                state.n_first += min(len(fp), _ORDER_PREFIX - state.n_first)
+        for i, count in self._by_content:
+            fp = batch_fingerprints(batch if count == 1 else _sub_batch(batch, i))
+            if fp is not None:
+                self._states.setdefault(i, _LoaderState()).add(fp, self.sketch_size)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._epoch = trainer.current_epoch
         dp = self._dp or data_parallel_group(trainer.strategy)
         messages = []
         for i, (name, dl) in enumerate(self._train_loaders(trainer)):
@@ -211,8 +225,11 @@ class SetEpochCheck(Callback):
             if kind_and_name not in self._reported:
                 self._reported.add(kind_and_name)
                 fresh.append(message)
-        report(fresh if self.mode == "warn" else [m for _, m in messages], mode=self.mode,
-               is_global_zero=trainer.is_global_zero)
+        report(
+            fresh if self.mode == "warn" else [m for _, m in messages],
+            mode=self.mode,
+            is_global_zero=trainer.is_global_zero,
+        )
 
     # -------------------------------------------------------------------------------------- analysis
     def _train_loaders(self, trainer: Any) -> list[tuple[str, Any]]:
@@ -262,22 +279,24 @@ class SetEpochCheck(Callback):
         state.previous_order = order
 
         missed = [link for link in self._missed(dl, name) if link.path not in self.fixed]
-        stale = [link.path for link in missed if epoch >= 1 and link.epoch is not None and link.epoch != epoch]
+        stale = [
+            link.path for link in missed if epoch >= 1 and link.epoch is not None and link.epoch != epoch
+        ]
         try:
             dataset_len = len(dl.dataset) if mode == "indices" else None
         except TypeError:
             dataset_len = None
         summary = {
             "mode": mode,
-            "n": len(indices) if indices is not None else sum(len(f) for f in state.fingerprints),
+            "n": len(indices) if indices is not None else state.n_fingerprints,
             "exhausted": bool(recorder is not None and recorder.complete),
             "repeated": repeated,
             "stale": stale,
             "len": dataset_len,
             "max_index": int(indices.max()) if indices is not None and len(indices) else -1,
-            "ds": None if ds_link is None else (getattr(ds_link.obj, "num_replicas", None),
-                                                getattr(ds_link.obj, "rank", None)),
-            "counts": dp.counts_samples,
+            "ds": None
+            if ds_link is None
+            else (getattr(ds_link.obj, "num_replicas", None), getattr(ds_link.obj, "rank", None)),
         }
         gathered = all_gather_object(summary, dp)
         modes = {g["mode"] for g in gathered}
@@ -292,20 +311,22 @@ class SetEpochCheck(Callback):
             link for link in links if isinstance(link.obj, IterableDataset) and link.has_set_epoch
         ]
         any_stale = sorted({p for g in gathered for p in g["stale"]})
-        all_repeated = epoch >= 1 and all(g["repeated"] for g in gathered if g["counts"]) and any(
-            g["repeated"] is not None for g in gathered
+        all_repeated = (
+            epoch >= 1
+            and all(g["repeated"] for g in gathered)
+            and any(g["repeated"] is not None for g in gathered)
         )
         if any_stale or (all_repeated and shuffles):
-            findings.append((("order", name), self._order_message(name, epoch, missed, any_stale, all_repeated,
-                                                                   shuffles)))
+            findings.append(
+                (("order", name), self._order_message(name, epoch, missed, any_stale, all_repeated, shuffles))
+            )
         return findings
 
     def _check_indices(self, dp, name, dl, links, ds_link, indices, gathered) -> list:
         lengths = [g["len"] for g in gathered if g["len"] is not None]
         n_total = max(lengths) if lengths else max(g["max_index"] for g in gathered) + 1
         stride = max(1, -(-n_total // self.max_exact_indices))
-        mine = indices if dp.counts_samples else indices[:0]
-        mine = mine[(mine >= 0) & (mine < n_total)]
+        mine = indices[(indices >= 0) & (indices < n_total)]
         if stride > 1:
             mine = mine[mine % stride == 0] // stride
         bins = -(-n_total // stride)
@@ -313,7 +334,7 @@ class SetEpochCheck(Callback):
         duplicates = int((counts - 1).clamp(min=0).sum()) * stride
         read = int((counts > 0).sum()) * stride
         missing = int((counts == 0).sum()) * stride if all(g["exhausted"] for g in gathered) else 0
-        ranks = sum(1 for g in gathered if g["counts"])
+        ranks = dp.size
         ds = ds_link.obj if ds_link is not None else None
         padding = _padding(ds)
         dropped = _dropped(ds, dl, n_total, ranks)
@@ -322,18 +343,20 @@ class SetEpochCheck(Callback):
         if duplicates > padding + slack * ranks:
             readers = counts[counts > 0].float().mean().item()
             evidence = (
-                f"{name}: in epoch {self._trainer.current_epoch if self._trainer else '?'}, {duplicates} of the"
+                f"{name}: in epoch {self._epoch}, {duplicates} of the"
                 f" {int(counts.sum()) * stride} samples drawn by the {ranks} data-parallel ranks had also been"
                 f" drawn by another rank ({read} distinct dataset indices, each drawn by {readers:.2f} ranks on"
                 f" average; DistributedSampler padding explains {padding} repeats)."
             )
-            out.append((("overlap", name), evidence + " " + _overlap_cause(name, links, ds_link, gathered, ranks)))
+            out.append(
+                (("overlap", name), evidence + " " + _overlap_cause(name, links, ds_link, gathered, ranks))
+            )
         if missing > dropped + slack * ranks:
             out.append(
                 (
                     ("coverage", name),
                     f"{name}: the {ranks} data-parallel ranks together read {read} of the {n_total} samples in"
-                    f" epoch {self._trainer.current_epoch if self._trainer else '?'}; {missing} were never read"
+                    f" epoch {self._epoch}; {missing} were never read"
                     f" (drop_last explains at most {dropped}). "
                     + (
                         f"{ds_link.path} is {ds_link.type_name}(num_replicas={ds.num_replicas}, rank={ds.rank})"
@@ -349,8 +372,12 @@ class SetEpochCheck(Callback):
 
     def _check_fingerprints(self, dp, name, dl, state, gathered) -> list:
         k = self.sketch_size
-        fps = torch.cat([f.cpu() for f in state.fingerprints]) if state.fingerprints else torch.empty(0, dtype=torch.int64)
-        sketch = bottom_k(fps, k) if dp.counts_samples else fps[:0]
+        fps = (
+            torch.cat([f.cpu() for f in state.fingerprints])
+            if state.fingerprints
+            else torch.empty(0, dtype=torch.int64)
+        )
+        sketch = bottom_k(fps, k)
         padded = torch.full((k,), _SENTINEL, dtype=torch.int64)
         padded[: len(sketch)] = sketch
         table = all_gather_tensor(padded, dp).view(dp.size, k)
@@ -367,7 +394,7 @@ class SetEpochCheck(Callback):
             (
                 ("overlap", name),
                 f"{name}: the data-parallel ranks read the same data: {shared:.0%} of the sampled per-sample"
-                f" fingerprints of epoch {self._trainer.current_epoch if self._trainer else '?'} were drawn on"
+                f" fingerprints of epoch {self._epoch} were drawn on"
                 f" more than one rank (batch contents compared; {len(union)} samples in the sketch). {what}"
                 " yields the same samples on every rank. Fix: shard it by rank inside __iter__ (keep every"
                 " world_size-th sample from torch.distributed.get_rank(), and split across DataLoader workers"
@@ -438,7 +465,9 @@ def _dropped(ds: Any, dl: Any, n_total: int, ranks: int) -> int:
     return dropped
 
 
-def _overlap_cause(name: str, links: list[ChainLink], ds_link: ChainLink | None, gathered: list, ranks: int) -> str:
+def _overlap_cause(
+    name: str, links: list[ChainLink], ds_link: ChainLink | None, gathered: list, ranks: int
+) -> str:
     if ds_link is None:
         sampler = next((link for link in links if link.path.endswith(".sampler")), None)
         what = f"{sampler.path} is {sampler.type_name}, not" if sampler is not None else "there is no"

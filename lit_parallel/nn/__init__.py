@@ -1,1 +1,5 @@
 """Modules lit_parallel must provide itself."""
+
+from lit_parallel.nn.sync_batchnorm import SyncBatchNorm, all_gather_stacked, all_reduce_sum
+
+__all__ = ["SyncBatchNorm", "all_gather_stacked", "all_reduce_sum"]

@@ -1,7 +1,17 @@
 """Pure PyTorch building blocks (no Lightning import): usable without a Trainer."""
 
-# FSDP2 per transformer block, meshes, memory and communication (issue 3)
+# blocks, fsdp, mesh, memory: FSDP2 per transformer block (issue 3); buckets, comm, ddp: DDP (issue 2)
 from lit_parallel.parallel.blocks import BlockPlan, NoBlocksFoundError, find_transformer_blocks
+from lit_parallel.parallel.buckets import (
+    AllReduceMeasurement,
+    BucketPlan,
+    broadcast_measurement,
+    choose_bucket_sizes,
+    gradient_bytes_in_ready_order,
+    measure_allreduce,
+)
+from lit_parallel.parallel.comm import Collective, CollectiveStats, CommCounter, count_collectives
+from lit_parallel.parallel.ddp import COMM_HOOKS, average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.parallel.fsdp import (
     FSDPPlan,
     apply_activation_checkpointing,
@@ -17,8 +27,6 @@ from lit_parallel.parallel.fsdp import (
     set_gradient_sync,
 )
 from lit_parallel.parallel.memory import (
-    Collective,
-    CommCounter,
     MemoryEstimate,
     estimate_comm_bytes,
     estimate_memory,
@@ -26,14 +34,61 @@ from lit_parallel.parallel.memory import (
 )
 from lit_parallel.parallel.mesh import ParallelDims, divisors
 
-# DDP: bucket sizes from a measurement, communication hooks, collective counting (issue 2)
-from lit_parallel.parallel.buckets import (
-    AllReduceMeasurement,
-    BucketPlan,
-    broadcast_measurement,
-    choose_bucket_sizes,
-    gradient_bytes_in_ready_order,
-    measure_allreduce,
+# tensor parallelism inside blocks: plan inference and application (issue 4)
+from lit_parallel.parallel.tensor_parallel import (
+    TPLayer,
+    TPPlan,
+    TPPlanError,
+    apply_tp,
+    check_tp_plan,
+    infer_tp_plan,
+    local_parameter_bytes,
+    plan_from_spec,
 )
-from lit_parallel.parallel.comm import CollectiveStats, count_collectives
-from lit_parallel.parallel.ddp import COMM_HOOKS, average_gradients, build_comm_hook, validate_comm_hook
+
+__all__ = [
+    "AllReduceMeasurement",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_fsdp",
+    "average_gradients",
+    "BlockPlan",
+    "broadcast_measurement",
+    "BucketPlan",
+    "build_comm_hook",
+    "choose_bucket_sizes",
+    "clip_grad_norm_",
+    "Collective",
+    "CollectiveStats",
+    "COMM_HOOKS",
+    "CommCounter",
+    "count_collectives",
+    "divisors",
+    "estimate_comm_bytes",
+    "estimate_memory",
+    "find_transformer_blocks",
+    "FSDPPlan",
+    "full_state_dict",
+    "gradient_bytes_in_ready_order",
+    "load_full_state_dict",
+    "measure_allreduce",
+    "MemoryEstimate",
+    "mixed_precision_policy",
+    "no_gradient_sync",
+    "NoBlocksFoundError",
+    "offload_policy",
+    "ParallelDims",
+    "plan_fsdp",
+    "set_gradient_sync",
+    "training_state_bytes",
+    "validate_comm_hook",
+    # issue 4
+    "TPLayer",
+    "TPPlan",
+    "TPPlanError",
+    "apply_tp",
+    "check_tp_plan",
+    "infer_tp_plan",
+    "local_parameter_bytes",
+    "plan_from_spec",
+]

@@ -12,11 +12,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Union
 
 from torch import nn
 
-BlockTypes = Union[str, Iterable[Union[type, str]], Callable[[nn.Module], bool]]
+BlockTypes = str | Iterable[type | str] | Callable[[nn.Module], bool]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 

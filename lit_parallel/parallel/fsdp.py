@@ -49,13 +49,15 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision not in SUPPORTED_PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported with FSDP2; choose one of {SUPPORTED_PRECISIONS}")
+        raise ValueError(
+            f"precision={precision!r} is not supported with FSDP2; choose one of {SUPPORTED_PRECISIONS}"
+        )
     if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
 
 
-def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy | None:
+def offload_policy(cpu_offload: bool, device: torch.device, *, warn: bool = True) -> OffloadPolicy | None:
     """``CPUOffloadPolicy`` on accelerators; on a CPU-only run parameters already live on the CPU, so it is
     a no-op (FSDP2's policy itself requires an accelerator) and a warning says so."""
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -63,6 +65,8 @@ def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy | N
     if not cpu_offload:
         return None
     if device.type == "cpu":
+        if not warn:
+            return None
         warnings.warn(
             "cpu_offload=True has no effect on a CPU-only run: parameters, gradients and optimizer state are"
             " already in CPU memory (FSDP2's CPUOffloadPolicy needs an accelerator). Continuing without it.",
@@ -103,10 +107,6 @@ def _has_meta(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
 
 
-def _direct_states(module: nn.Module) -> bool:
-    return any(True for _ in itertools.chain(module.parameters(False), module.buffers(False)))
-
-
 def _reset(module: nn.Module, uninitialised: set[str]) -> None:
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
@@ -116,11 +116,13 @@ def _reset(module: nn.Module, uninitialised: set[str]) -> None:
 
 
 def _materialise_tree(module: nn.Module, device: torch.device, uninitialised: set[str]) -> None:
-    """to_empty + reset_parameters of every module of the subtree with its own states (pre-order)."""
-    module.to_empty(device=device)
-    for sub in module.modules():
-        if _direct_states(sub):
-            _reset(sub, uninitialised)
+    """to_empty + reset_parameters of every module of the subtree that has meta states of its own
+    (pre-order, as Lightning does); modules already materialised keep their values."""
+    was_meta = [sub for sub in module.modules() if _has_meta(sub, recurse=False)]
+    for sub in was_meta:
+        sub.to_empty(device=device, recurse=False)
+    for sub in was_meta:
+        _reset(sub, uninitialised)
 
 
 @contextmanager
@@ -233,12 +235,13 @@ def apply_fsdp(
     outside = [m for m in module.modules() if id(m) not in inside_block]
 
     meta = _has_meta(module)
+    outside_meta = {id(m) for m in outside if _has_meta(m, recurse=False)}
     uninitialised: set[str] = set()
     with _rank0_rng(device) if meta else nullcontext():
         if meta:
             # Parameters outside blocks are needed whole for a moment anyway (the root group shards them last).
             for m in outside:
-                if _has_meta(m, recurse=False):
+                if id(m) in outside_meta:
                     m.to_empty(device=device, recurse=False)
         elif sync_module_states:
             _broadcast_from_rank0([t for m in outside for t in _local_states(m, recurse=False)])
@@ -259,7 +262,7 @@ def apply_fsdp(
                 if compile_kwargs is not None:
                     apply_compile(m, compile_kwargs)
                 fully_shard(m, **kwargs)
-            elif meta and _direct_states(m):
+            elif id(m) in outside_meta:
                 _reset(m, uninitialised)
     if uninitialised:
         warnings.warn(
@@ -311,6 +314,18 @@ def _grad_group_key(g: torch.Tensor) -> tuple:
     return (0, str(g.device), "", "")
 
 
+def _local_norm(tensors: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """Norm of local tensors that may sit on different devices (CPU-offloaded shards), in fp32."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    norms = [
+        torch.nn.utils.get_total_norm(ts, norm_type, False, foreach).float().cpu()
+        for ts in by_device.values()
+    ]
+    return torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
@@ -321,10 +336,14 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for any mix of plain and sharded (DTensor) gradients.
 
-    Gradients are grouped by mesh and placement; each group's norm is reduced over its mesh, the group
-    norms are combined into the global norm, and every gradient is scaled in place. Every rank must call
-    it with the same parameters (it communicates once per DTensor group). Returns the total norm.
+    Gradients are grouped by mesh and placement. A group's local norm is reduced over the mesh dimensions
+    its gradients are split on (``Shard`` or ``_StridedShard``; replicated dimensions hold copies and are
+    not summed), so gradients on different meshes (TP + FSDP) combine correctly; the group norms
+    combine into the global norm, and every gradient (its local shard) is scaled in place. Works with
+    CPU-offloaded shards. Every rank must call it with the same parameters: it communicates once per
+    sharded mesh dimension of each DTensor group. Returns the total norm (on the CPU).
     """
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     if isinstance(parameters, torch.Tensor):
@@ -335,14 +354,24 @@ def clip_grad_norm_(
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault(_grad_group_key(g), []).append(g)
+    inf = norm_type == float("inf")
     norms = []
-    device = None
     for key in sorted(groups):
-        norm = torch.nn.utils.get_total_norm(groups[key], norm_type, False, foreach)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        device = device or norm.device
-        norms.append(norm.to(device))
+        members = groups[key]
+        norm = _local_norm(
+            [g.to_local() if isinstance(g, DTensor) else g for g in members], norm_type, foreach
+        )
+        if isinstance(members[0], DTensor):
+            mesh, placements = members[0].device_mesh, members[0].placements
+            value = norm if inf else norm**norm_type
+            value = value.to(_mesh_device(mesh))
+            for dim, placement in enumerate(placements):
+                # every split dimension is summed: Shard, and FSDP's _StridedShard for TP-split weights
+                if not placement.is_replicate():
+                    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                    dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+            norm = (value if inf else value ** (1.0 / norm_type)).cpu()
+        norms.append(norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -350,13 +379,12 @@ def clip_grad_norm_(
             " error_if_nonfinite=False to scale them anyway"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for key in sorted(groups):
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in groups[key]]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in local:
-            by_device.setdefault(t.device, []).append(t)
-        for dev, ts in by_device.items():
-            torch._foreach_mul_(ts, coef.to(dev))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        t = g.to_local() if isinstance(g, DTensor) else g
+        by_device.setdefault(t.device, []).append(t)
+    for dev, ts in by_device.items():
+        torch._foreach_mul_(ts, coef.to(dev))
     return total
 
 
@@ -451,7 +479,9 @@ def plan_fsdp(
     Works on a model built on the meta device. ``shard_size`` < ``world_size`` means HSDP. ``optimizer``
     (``"adamw"``, ``"sgd"``, ...) sets the optimizer state in the memory estimate.
     """
-    blocks = block_types if isinstance(block_types, BlockPlan) else find_transformer_blocks(module, block_types)
+    blocks = (
+        block_types if isinstance(block_types, BlockPlan) else find_transformer_blocks(module, block_types)
+    )
     if shard_size is None or shard_size == world_size:
         dims = ParallelDims(world_size=world_size)
     else:

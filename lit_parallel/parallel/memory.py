@@ -8,19 +8,15 @@ ZeRO-2 (FSDP with ``reshard_after_forward=False``) 2 units, ZeRO-3 (``True``) 3 
 (N-1)/N * P * bytes per gradient element.
 
 Measurements: :func:`training_state_bytes` sums what this rank really holds (local shards of DTensors);
-:class:`CommCounter` records every collective the process issues (a ``TorchDispatchMode`` that sees
-``c10d`` ops, so it counts FSDP, DDP and user collectives alike, without replacing any of them).
+collectives are counted by :mod:`lit_parallel.parallel.comm`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
@@ -136,147 +132,6 @@ def training_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | N
             out["optimizer"] += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
-
-
-# --- communication --------------------------------------------------------------------------------------
-
-_KINDS = {
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "_allgather_base_": "all_gather",
-    "allgather_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "broadcast_": "broadcast",
-    "alltoall_base_": "all_to_all",
-    "barrier": "barrier",
-}
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective call: its kind, payload bytes (the full tensor it reduces/gathers), group size."""
-
-    kind: str
-    payload_bytes: int
-    group_size: int
-
-    @property
-    def sent_bytes(self) -> float:
-        """Bytes each rank sends with the ring algorithm."""
-        n = self.group_size
-        if n <= 1:
-            return 0.0
-        if self.kind == "all_reduce":
-            return 2 * (n - 1) / n * self.payload_bytes
-        if self.kind in ("all_gather", "reduce_scatter", "all_to_all"):
-            return (n - 1) / n * self.payload_bytes
-        if self.kind == "broadcast":
-            return float(self.payload_bytes)
-        return 0.0
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-def _group_size(args: tuple) -> int:
-    import torch.distributed as dist
-
-    for a in args:
-        if isinstance(a, torch.ScriptObject):
-            try:
-                return dist.ProcessGroup.unbox(a).size()
-            except Exception:  # noqa: S112 - a ReduceOp or Work object, not the group
-                continue
-    return 1
-
-
-class CommCounter(TorchDispatchMode):
-    """Records every ``c10d`` collective issued while active (use as a context manager).
-
-    ``records`` holds one :class:`Collective` per call; ``counts()`` and ``sent_bytes()`` summarise.
-    Payload: all-gather = gathered output, reduce-scatter = unreduced input, all-reduce / broadcast = the
-    tensor. DTensor operations are seen as the collectives they issue. Collectives issued from other
-    threads are not seen.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[Collective] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            # Let DTensor run first and desugar into the collectives it needs; they come back here
-            # (as in torch's CommDebugMode).
-            return NotImplemented
-        kwargs = kwargs or {}
-        if func.namespace == "c10d":
-            kind = _KINDS.get(func._schema.name.split("::", 1)[1])
-            if kind is not None:
-                self.records.append(Collective(kind, self._payload(kind, args), _group_size(args)))
-        elif func.namespace == "_c10d_functional":  # DTensor redistribution, functional collectives
-            record = _functional_record(func._schema.name.split("::", 1)[1], args)
-            if record is not None:
-                self.records.append(record)
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _payload(kind: str, args: tuple) -> int:
-        if kind == "all_gather":
-            out = _tensors(args[0])
-        elif kind == "reduce_scatter":
-            out = _tensors(args[1])
-        else:
-            out = _tensors(args[0])
-        return sum(t.numel() * t.element_size() for t in out)
-
-    def counts(self) -> dict[str, int]:
-        return dict(Counter(r.kind for r in self.records))
-
-    def payload_bytes(self, kind: str | None = None) -> int:
-        return sum(r.payload_bytes for r in self.records if kind is None or r.kind == kind)
-
-    def sent_bytes(self, kinds: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")) -> float:
-        """Bytes this rank sent in ``kinds`` collectives (ring algorithm)."""
-        return sum(r.sent_bytes for r in self.records if r.kind in kinds)
-
-    def clear(self) -> None:
-        self.records.clear()
-
-
-def _functional_group_size(group: Any) -> int:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    if isinstance(group, dist.ProcessGroup):
-        return group.size()
-    if isinstance(group, torch.ScriptObject):
-        return dist.ProcessGroup.unbox(group).size()
-    return _resolve_process_group(group).size()
-
-
-def _functional_record(name: str, args: tuple) -> Collective | None:
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    if name == "all_reduce":  # (input, reduce_op, group_name)
-        return Collective("all_reduce", nbytes(args[0]), _functional_group_size(args[2]))
-    if name == "all_gather_into_tensor":  # (input, group_size, group_name)
-        return Collective("all_gather", nbytes(args[0]) * args[1], args[1])
-    if name == "reduce_scatter_tensor":  # (input, reduce_op, group_size, group_name)
-        return Collective("reduce_scatter", nbytes(args[0]), args[2])
-    if name == "broadcast":  # (input, src, group_name)
-        return Collective("broadcast", nbytes(args[0]), _functional_group_size(args[2]))
-    return None
 
 
 def estimate_comm_bytes(

@@ -25,6 +25,9 @@ DP_SHARD = "data_parallel_shard"
 TP = "tensor_parallel"
 DP = "data_parallel"
 
+# (shape, split, device type) -> (default process group it was built on, mesh)
+_MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
+
 
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n`` in increasing order (for "choose 1, 2 or 4" in error messages)."""
@@ -138,7 +141,8 @@ class ParallelDims:
         Without replication: 2-D ``(data_parallel, tensor_parallel)``. With replication: 3-D
         ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)`` plus ``data_parallel``, the
         replicate and shard dimensions flattened. Unused dimensions have size 1, so lookups by name work.
-        Needs an initialised default process group of ``world_size`` ranks.
+        Needs an initialised default process group of ``world_size`` ranks. Several Trainers in one process
+        share the mesh (and its process groups) as long as the default process group is the same.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -148,10 +152,20 @@ class ParallelDims:
                 f"ParallelDims(world_size={self.world_size}) does not match the process group's world size"
                 f" {dist.get_world_size()}"
             )
+        default_group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        key = (self.shape, self.replicate_enabled, device_type)
+        cached = _MESHES.get(key)
+        if cached is not None and default_group is not None and cached[0] is default_group:
+            return cached[1]
         if not self.replicate_enabled:
-            return init_device_mesh(device_type, (self.data_parallel, self.tensor_parallel), mesh_dim_names=(DP, TP))
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP))
-        mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
+            mesh = init_device_mesh(
+                device_type, (self.data_parallel, self.tensor_parallel), mesh_dim_names=(DP, TP)
+            )
+        else:
+            mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP))
+            mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
+        if default_group is not None:
+            _MESHES[key] = (default_group, mesh)
         return mesh
 
     def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:

@@ -1,10 +1,25 @@
 """Lightning strategies: thin shells over the pure functions in :mod:`lit_parallel.parallel`."""
 
+from lit_parallel.strategies.auto import AutoStrategy  # issue 6: chooses among the strategies below
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
+from lit_parallel.strategies.tensor_parallel import TensorParallelStrategy  # issue 4
 
 # Every strategy here is registered in Lightning's StrategyRegistry when lit_parallel is imported.
-ALL_STRATEGIES = (TunedDDPStrategy, TransformerFSDPStrategy, HybridShardStrategy)
+ALL_STRATEGIES = (
+    TunedDDPStrategy,
+    TransformerFSDPStrategy,
+    HybridShardStrategy,
+    TensorParallelStrategy,
+    AutoStrategy,
+)
 
-__all__ = ["ALL_STRATEGIES", "HybridShardStrategy", "TransformerFSDPStrategy", "TunedDDPStrategy"]
+__all__ = [
+    "ALL_STRATEGIES",
+    "AutoStrategy",
+    "HybridShardStrategy",
+    "TensorParallelStrategy",
+    "TransformerFSDPStrategy",
+    "TunedDDPStrategy",
+]

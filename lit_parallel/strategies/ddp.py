@@ -27,6 +27,7 @@ from lit_parallel.parallel.buckets import (
     measure_allreduce,
 )
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
+from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityMixin
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def _info(msg: str) -> None:
         log.info(msg)
 
 
-class TunedDDPStrategy(DDPStrategy):
+class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
     """DDP with measured bucket sizes, probed unused-parameter detection and gradient compression.
 
     A subclass of Lightning's ``DDPStrategy``: launcher, checkpointing and precision handling are
@@ -85,7 +86,20 @@ class TunedDDPStrategy(DDPStrategy):
             (DDP's default, ``True``). Turn it off only when every rank should keep its own buffers, e.g.
             fine-tuning BatchNorm per rank, or when a synchronized BatchNorm already keeps them equal.
         broadcast_buffers: deprecated in torch 2.13; mapped to ``forward_sync_buffers``.
+        timeout: timeout of every collective (also applied to a process group that existed before the
+            strategy, e.g. torchrun's, when given explicitly); a rank that times out reports which collective
+            timed out, on which ranks, and where the ranks that never arrived are.
+        debug_level: ``"detail"`` turns on torch's check that every rank runs the same collective (set before
+            the process group is created); ``None`` keeps ``TORCH_DISTRIBUTED_DEBUG``. See
+            :class:`~lit_parallel.reliability.ReliabilityOptions`.
+        watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
+        preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
+            ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
+
+    Checkpoints hold every rank's RNG states (resume is bitwise exact, dropout included), are written under a
+    temporary name and renamed when complete, and load with ``weights_only=True``; see
+    :mod:`lit_parallel.reliability`.
     """
 
     strategy_name = "ddp_tuned"
@@ -111,6 +125,9 @@ class TunedDDPStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        debug_level: DebugLevel | None = None,
+        watchdog: bool = True,
+        preemption_signal: PreemptionSignal = "auto",
         **kwargs: Any,
     ) -> None:
         _validate_bucket_cap(bucket_cap_mb)
@@ -170,19 +187,26 @@ class TunedDDPStrategy(DDPStrategy):
         self.bucket_plan: BucketPlan | None = None
         self.unused_parameters: list[str] | None = None
         self.comm_hook_state: Any = None
+        self._init_reliability(
+            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+        )
 
     @override
-    def setup_environment(self) -> None:
-        # Refuse impossible combinations before any process group exists.
+    def _validate_before_launch(self, trainer: Any, model: Any) -> None:
+        # Impossible combinations are refused before any process group exists, and under Lightning's
+        # launcher before the other ranks are started.
         validate_comm_hook(self._comm_hook, backend=self._get_process_group_backend())
-        lm = self.lightning_module
-        trainer = lm._trainer if lm is not None else None
         if self._static_graph and trainer is not None and trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"static_graph=True with accumulate_grad_batches={trainer.accumulate_grad_batches} hits an"
                 " internal assert in DDP's reducer (torch 2.13); use static_graph=False (the default) or"
                 " accumulate_grad_batches=1"
             )
+
+    @override
+    def setup_environment(self) -> None:
+        lm = self.lightning_module
+        self._validate_before_launch(lm._trainer if lm is not None else None, lm)
         super().setup_environment()
 
     @override
@@ -248,11 +272,12 @@ class TunedDDPStrategy(DDPStrategy):
         options = self._compile if isinstance(self._compile, dict) else {}
         # Each top-level submodule with parameters (``self.model``, ``self.encoder``, ...) is compiled in
         # place, before DDP wraps the LightningModule: DDP's gradient hooks stay outside the graphs.
+        names = []
         for name, child in model.named_children():
             if any(True for _ in child.parameters()):
                 child.compile(**options)
                 self._compiled_children.append(child)
-        names = [n for n, c in model.named_children() if any(c is m for m in self._compiled_children)]
+                names.append(name)
         _info(
             f"ddp_tuned: compiled submodules {names} with {options or 'default options'} before DDP wrapping"
         )
@@ -335,6 +360,7 @@ class TunedDDPStrategy(DDPStrategy):
                 else arg
                 for arg in exception.args
             )
+        super().on_exception(exception)  # failure report (lit_parallel.reliability)
 
     @property
     def find_unused_parameters(self) -> bool | None:

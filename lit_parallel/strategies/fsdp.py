@@ -16,10 +16,9 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -44,6 +43,7 @@ from lit_parallel.parallel.fsdp import (
     plan_fsdp,
 )
 from lit_parallel.parallel.mesh import ParallelDims
+from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityMixin
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -87,7 +87,7 @@ class _FSDPHalfPrecision(_ShardedClipping, HalfPrecision):
     """``bf16-true`` / ``16-true``: parameters stored in half precision, no FSDP casting."""
 
 
-class TransformerFSDPStrategy(ModelParallelStrategy):
+class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
     """FSDP2 applied to each transformer block, then to the rest of the model; no wrap policy needed.
 
     Args:
@@ -116,7 +116,21 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
             (``torch.distributed.checkpoint``, loadable on any number of ranks; convert with
             ``lit-parallel consolidate``). ``False``: one full file written by rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ... (default: chosen from the device).
-        timeout: process group timeout.
+        timeout: timeout of every collective, on every process group of the mesh (torch gives sub-groups a
+            30-minute default otherwise; also applied to a process group that existed before the strategy when
+            given explicitly). A rank that times out reports which collective timed out, on which ranks, and
+            where the ranks that never arrived are.
+        debug_level: ``"detail"`` turns on torch's check that every rank runs the same collective (set before
+            the process group is created); ``None`` keeps ``TORCH_DISTRIBUTED_DEBUG``. See
+            :class:`~lit_parallel.reliability.ReliabilityOptions`.
+        watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
+        preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
+            ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
+
+    Checkpoints hold every rank's RNG states (resume is bitwise exact, dropout included), are written under a
+    temporary name and renamed into place when complete (DCP's ``.metadata`` written last), and load without
+    unpickling code; a mid-epoch checkpoint continues with the next unseen batch or is refused. See
+    :mod:`lit_parallel.reliability`.
 
     The plan (block classes, number of blocks, parameters per block, estimated bytes per rank) is logged
     on rank 0 and kept as ``strategy.plan``; :func:`~lit_parallel.parallel.plan_fsdp` computes the same
@@ -137,11 +151,12 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        debug_level: DebugLevel | None = None,
+        watchdog: bool = True,
+        preemption_signal: PreemptionSignal = "auto",
     ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if isinstance(block_types, str) and block_types != "auto" and "." not in block_types:
-            block_types = {block_types}
         if not (isinstance(block_types, str) or callable(block_types) or isinstance(block_types, Iterable)):
             raise ValueError(
                 f"block_types={block_types!r} must be 'auto', a set of classes or class names, or a predicate"
@@ -173,8 +188,10 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         self._init_from = init_from
         self._mp_policy: MixedPrecisionPolicy | None = None
         self._dims: ParallelDims | None = None
-        self._created_process_group = False
         self.plan: FSDPPlan | None = None
+        self._init_reliability(
+            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+        )
 
     # --- configuration, checked before any process exists -----------------------------------------------
 
@@ -233,27 +250,39 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         super()._configure_launcher()
 
     @override
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
+    def _validate_before_launch(self, trainer: pl.Trainer | None, model: pl.LightningModule | None) -> None:
+        # Under Lightning's launcher: before the other ranks are started.
+        self._validate()
+        if model is not None:
+            self._check_blocks(model)
+
+    def _check_blocks(self, model: pl.LightningModule) -> None:
         # Without configure_model the model is complete now: find the blocks before any process group
         # exists, so a wrong block_types fails fast.
         if not is_overridden("configure_model", model) and any(True for _ in model.parameters()):
             find_transformer_blocks(model, self._block_types)
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        self._check_blocks(model)
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
     @property
     def parallel_dims(self) -> ParallelDims:
         if self._dims is None:
-            raise RuntimeError("Accessing the parallel sizes before the Trainer has configured them is not allowed.")
+            raise RuntimeError(
+                "Accessing the parallel sizes before the Trainer has configured them is not allowed."
+            )
         return self._dims
 
     @override
     def setup_environment(self) -> None:
         self._validate()
-        self._created_process_group = not dist.is_initialized()
         self._setup_distributed()
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        self._apply_timeout()  # the mesh's sub-groups get torch's 30-minute default otherwise
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -276,7 +305,10 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
             )
         if not isinstance(self.model, FSDPModule):
             self._parallelize(trainer)
-        self.model_to_device()
+        # fully_shard already placed every shard; with CPU offload they must stay in CPU memory
+        offloaded = offload_policy(self._cpu_offload, self.root_device, warn=False) is not None
+        if not offloaded:
+            self.model_to_device()
         self.barrier()
         # FSDP2 gathers parameters into ordinary tensors that later training reuses; inference-mode tensors
         # cannot be reused by autograd, so evaluation runs under no_grad instead.
@@ -285,7 +317,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not offloaded:
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -328,7 +360,9 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         )
         if self._init_from is not None:
             load_full_state_dict(self.model, self._init_from if self.global_rank == 0 else None)
-            _info(f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the sharded model")
+            _info(
+                f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the sharded model"
+            )
 
     @contextmanager
     @override
@@ -342,15 +376,6 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
                 yield None
         else:
             yield None
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        # Only a process group this strategy created goes away; one that existed before (torchrun, a
-        # launcher, another strategy) belongs to its creator.
-        if self._created_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._created_process_group = False
 
     @classmethod
     @override

@@ -26,8 +26,12 @@ class HybridShardStrategy(TransformerFSDPStrategy):
     strategy_name = "hsdp"
 
     def __init__(self, shard_size: Literal["auto"] | int = "auto", **kwargs: Any) -> None:
-        if shard_size != "auto" and (not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1):
-            raise ValueError(f"shard_size={shard_size!r} must be 'auto' (devices per node) or a positive integer")
+        if shard_size != "auto" and (
+            not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1
+        ):
+            raise ValueError(
+                f"shard_size={shard_size!r} must be 'auto' (devices per node) or a positive integer"
+            )
         super().__init__(**kwargs)
         self._shard_size = shard_size
 

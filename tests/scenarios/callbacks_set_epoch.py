@@ -63,7 +63,12 @@ def _fit(ctx, loader, check, module=None, **trainer_kwargs) -> dict:
     trainer = make_trainer(ctx, callbacks=[check], **trainer_kwargs)
     with captured_warnings(ParallelTrainingWarning) as caught:
         trainer.fit(module, loader)
-    return {"warnings": caught, "findings": list(check.findings), "fixed": list(check.fixed), "module": module}
+    return {
+        "warnings": caught,
+        "findings": list(check.findings),
+        "fixed": list(check.fixed),
+        "module": module,
+    }
 
 
 def _hidden_loader():
@@ -148,11 +153,12 @@ def correct_setups(ctx) -> dict:
     out = _fit(ctx, DataLoader(regression_data(), batch_size=BATCH, shuffle=True), check)
     results["lightning_sampler"] = out["warnings"] + out["findings"]
 
+    # 11 samples: 6 per rank after padding; drop_last leaves out 2 per rank
     check = SetEpochCheck(mode="raise")
-    out = _fit(ctx, DataLoader(regression_data(), batch_size=BATCH, shuffle=True, drop_last=True), check)
+    out = _fit(ctx, DataLoader(regression_data(n=11), batch_size=BATCH, shuffle=True, drop_last=True), check)
     results["drop_last"] = out["warnings"] + out["findings"]
 
-    # 10 samples on 2 ranks with batch 4: uneven last batches and no padding
+    # 11 samples on 2 ranks: one padding repeat, uneven last batches
     check = SetEpochCheck(mode="raise")
     out = _fit(ctx, DataLoader(regression_data(n=11), batch_size=BATCH, shuffle=True), check)
     results["padded"] = out["warnings"] + out["findings"]
@@ -161,3 +167,39 @@ def correct_setups(ctx) -> dict:
     out = _fit(ctx, DataLoader(ShardedStream(), batch_size=BATCH), check, module=StreamModule())
     results["stream_with_set_epoch"] = out["warnings"] + out["findings"]
     return results
+
+
+class TensorParallelLinear(LinearModule):
+    def configure_model(self):
+        pass  # nothing to split; ModelParallelStrategy only requires the hook
+
+
+def tensor_parallel_set_epoch(ctx) -> dict:
+    """Under a (data_parallel x tensor_parallel) mesh the peers of a TP group read the same shard: that is
+    correct, and only ranks that read the whole dataset are flagged."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    def strategy():
+        return ModelParallelStrategy(data_parallel_size=ctx.world_size // 2, tensor_parallel_size=2)
+
+    correct = _fit(
+        ctx,
+        DataLoader(regression_data(), batch_size=BATCH, shuffle=True),
+        SetEpochCheck(mode="raise"),
+        module=TensorParallelLinear(),
+        strategy=strategy(),
+    )
+    everything = _fit(
+        ctx,
+        DataLoader(regression_data(), batch_size=BATCH, shuffle=True),
+        SetEpochCheck(),
+        module=TensorParallelLinear(),
+        strategy=strategy(),
+        use_distributed_sampler=False,
+        max_epochs=1,
+    )
+    return {
+        "correct": correct["warnings"] + correct["findings"],
+        "everything": everything["findings"],
+        "everything_warnings": everything["warnings"],
+    }

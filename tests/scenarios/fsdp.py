@@ -68,7 +68,9 @@ DATASETS = {"gpt": lm_dataset, "llama": lm_dataset, "seq2seq": seq2seq_dataset}
 class LitModel(L.LightningModule):
     """An ordinary LightningModule: ``training_step`` calls ``self.model``, never ``self.forward``."""
 
-    def __init__(self, name: str = "gpt", lr: float = 0.1, optimizer: str = "sgd", n_layer: int = 2, build=True):
+    def __init__(
+        self, name: str = "gpt", lr: float = 0.1, optimizer: str = "sgd", n_layer: int = 2, build=True
+    ):
         super().__init__()
         self.name, self.lr, self.optimizer_name, self.n_layer = name, lr, optimizer, n_layer
         self.model = build_model(name, n_layer=n_layer) if build else None
@@ -367,24 +369,25 @@ def clip_mixed_dtensor(ctx) -> dict:
     mesh = init_device_mesh("cpu", (ctx.world_size,))
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(8, 4, generator=g), torch.randn(6, generator=g), torch.randn(3, 3, generator=g)]
-    grads = [torch.randn_like(t) for t in full]
+    grads = [torch.randn(t.shape, generator=g) for t in full]
     params = [
         torch.nn.Parameter(distribute_tensor(full[0], mesh, [Shard(0)])),
         torch.nn.Parameter(distribute_tensor(full[1], mesh, [Replicate()])),
         torch.nn.Parameter(full[2].clone()),
     ]
-    params[0].grad = distribute_tensor(grads[0], mesh, [Shard(0)])
-    params[1].grad = distribute_tensor(grads[1], mesh, [Replicate()])
-    params[2].grad = grads[2].clone()
+
+    def set_grads():  # copies: clipping scales gradients in place, and shards may be views
+        params[0].grad = distribute_tensor(grads[0].clone(), mesh, [Shard(0)])
+        params[1].grad = distribute_tensor(grads[1].clone(), mesh, [Replicate()])
+        params[2].grad = grads[2].clone()
+
+    set_grads()
     torch_error = ""
     try:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
     except Exception as err:  # what Lightning's ModelParallelStrategy runs into
         torch_error = f"{type(err).__name__}: {err}"
-    # torch may have scaled some gradients before failing: start again
-    params[0].grad = distribute_tensor(grads[0], mesh, [Shard(0)])
-    params[1].grad = distribute_tensor(grads[1], mesh, [Replicate()])
-    params[2].grad = grads[2].clone()
+    set_grads()  # torch may have scaled some gradients before failing: start again
     total = clip_grad_norm_(params, 1.0)
     return {
         "total": total,
@@ -444,6 +447,7 @@ def checkpoint_save(ctx) -> dict:
     t_file, m_file = fit(lp.TransformerFSDPStrategy(save_distributed_checkpoint=False), 2)
     t_file.save_checkpoint(out_dir / "full.ckpt")
     saved["file_model"] = _full_on_rank0(m_file)
+    saved["file_optimizer"] = _opt_state_on_rank0(m_file, t_file.optimizers[0])
     t_res, m_res = fit("fsdp_blocks", 4, ckpt_path=out_dir / "sharded")
     return {
         "saved": saved,
@@ -509,7 +513,12 @@ def lightning_launcher(ctx) -> dict:
     t = trainer(ctx, "fsdp_blocks", max_steps=2)
     t.fit(model, loader(lm_dataset()))
     t.validate(model, loader(lm_dataset(n=8, seed=1)), verbose=False)
-    first = {"rank": t.global_rank, "world": t.world_size, "losses": model.losses, "val": model.eval_losses["val"]}
+    first = {
+        "rank": t.global_rank,
+        "world": t.world_size,
+        "losses": model.losses,
+        "val": model.eval_losses["val"],
+    }
     model2 = LitModel()
     t2 = trainer(ctx, "hsdp", max_steps=2)
     t2.fit(model2, loader(lm_dataset()))
@@ -517,5 +526,35 @@ def lightning_launcher(ctx) -> dict:
         "first": first,
         "second_losses": model2.losses,
         "second_strategy": type(t2.strategy).__name__,
-        "pg_after": dist.is_initialized(),
+        "same_mesh": t2.strategy.device_mesh is t.strategy.device_mesh,
     }
+
+
+# --- GPU only (tests/test_fsdp_gpu.py) ------------------------------------------------------------------
+
+
+def gpu_fsdp(ctx) -> dict:
+    """On CUDA: fp32 parity, CPU offload (shards and optimizer step in CPU memory), bf16-mixed."""
+    out = {}
+    for label, strategy, precision in (
+        ("fp32", lp.TransformerFSDPStrategy(), "32-true"),
+        ("offload", lp.TransformerFSDPStrategy(cpu_offload=True), "32-true"),
+        ("bf16", lp.TransformerFSDPStrategy(), "bf16-mixed"),
+    ):
+        model = LitModel()
+        t = trainer(
+            ctx,
+            strategy,
+            accelerator="gpu",
+            precision=precision,
+            max_steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+        )
+        t.fit(model, loader(lm_dataset()))
+        out[label] = {
+            "losses": torch.tensor(model.losses, dtype=torch.float64),
+            "params": _full_on_rank0(model),
+            "shard_devices": sorted({p.to_local().device.type for p in model.parameters()}),
+        }
+    return out

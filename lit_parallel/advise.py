@@ -1,0 +1,163 @@
+"""`lit-parallel advise`: per-rank memory of every strategy for a model and a cluster, and which to use.
+
+The figures are ZeRO's accounting (see :mod:`lit_parallel.parallel.advisor`); the recommendation comes
+from the advisor's ordered rules, the same ones ``AutoStrategy`` ("auto_parallel") applies at setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from lit_parallel.parallel.advisor import (
+    PRECISIONS,
+    Advice,
+    advise,
+    format_size,
+    parse_count,
+    parse_model_kwargs,
+)
+
+EPILOG = """examples:
+  lit-parallel advise --params 7B --devices 8 --memory-gb 80
+  lit-parallel advise --params 70e9 --devices 8 --nodes 4 --memory-gb 80 --block-params 0.86e9
+  lit-parallel advise --model my_pkg.model:GPT --model-kwargs '{"n_layer": 48}' --devices 8 --nodes 2
+
+GB means 1e9 bytes. Mixed precision (bf16-mixed, 16-mixed) counts 2 + 2 + 12 bytes per parameter
+(parameter, gradient, fp32 master weight + Adam's two states); 32-true counts 4 + 4 + 8."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", metavar="N", help="number of parameters: 7e9, 7B, 350M, 125000000")
+    what.add_argument(
+        "--model",
+        metavar="IMPORT.PATH:Class",
+        help="an nn.Module (or LightningModule) class, built on the meta device (no memory used)",
+    )
+    p.add_argument("--model-kwargs", metavar="JSON", help="arguments for the class, e.g. '{\"n_layer\": 48}'")
+    p.add_argument("--devices", type=int, default=None, help="devices per node (default: visible GPUs, or 1)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory of one device in GB (1e9 bytes); default: the first GPU's, or RAM / devices",
+    )
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        choices=list(PRECISIONS),
+        help="Trainer precision the accounting follows (default bf16-mixed)",
+    )
+    p.add_argument(
+        "--block-params",
+        metavar="N",
+        help="parameters of the largest transformer block (with --params; rule 2 needs it)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="per-rank micro-batch for the activation estimate"
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length for the activation estimate")
+    p.add_argument("--json", metavar="PATH", help="also write the table and the decision as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.model and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # --model my_pkg.model:GPT from the project folder, as python -m does
+
+    devices = args.devices if args.devices is not None else max(1, torch.cuda.device_count())
+    for name in ("batch_size", "seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be at least 1")
+    if args.model_kwargs and not args.model:
+        raise ValueError("--model-kwargs goes with --model IMPORT.PATH:Class")
+    if args.model and args.block_params:
+        raise ValueError("--block-params goes with --params; with --model the blocks are found in the model")
+    advice = advise(
+        params=parse_count(args.params) if args.params is not None else None,
+        model=args.model,
+        model_kwargs=parse_model_kwargs(args.model_kwargs),
+        devices=devices,
+        nodes=args.nodes,
+        memory_gb=args.memory_gb,
+        precision=args.precision,
+        block_params=parse_count(args.block_params) if args.block_params else None,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+    )
+    print_advice(advice)
+    if args.json:
+        Path(args.json).write_text(json.dumps(advice.as_dict(), indent=2))
+    return 0
+
+
+def _gb(n: float | None) -> str:
+    return "-" if n is None else format_size(n)
+
+
+def print_advice(a: Advice) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    what = f"{a.model.name}: " if a.model is not None else ""
+    b = a.bytes
+    console.print(
+        f"[bold]lit-parallel advise[/bold]: {what}{a.params:,} parameters on {a.nodes} node(s) x {a.devices}"
+        f" device(s) = {a.world_size} ranks; {format_size(a.memory_bytes)} per device ({a.memory_source});"
+        f" precision {a.precision}: {b.params} + {b.grads} + {b.optimizer} = {b.total} bytes per parameter"
+    )
+    if a.model is not None and a.model.block_description:
+        console.print(f"blocks: {a.model.block_description}")
+    act = a.activations
+    if act is not None:
+        console.print(
+            f"activations: {format_size(act.total_bytes)} per rank for {act.input_description} (micro-batch"
+            f" {act.batch_size}; largest block {format_size(act.largest_block_bytes)}), traced on the meta device"
+        )
+    table = Table(title="memory per rank (decimal units: GB = 1e9 bytes)")
+    for col in ("strategy", "lit_parallel", "shards", "params", "grads", "optimizer", "model state"):
+        table.add_column(col, justify="left" if col in ("strategy", "lit_parallel", "shards") else "right")
+    if act is not None:
+        table.add_column("activations", justify="right")
+        table.add_column("total", justify="right")
+    table.add_column(f"fits {format_size(a.memory_bytes)}", justify="center")
+    for r in a.rows:
+        cells = [
+            r.name,
+            r.strategy or "-",
+            r.sharding,
+            _gb(r.param_bytes),
+            _gb(r.grad_bytes),
+            _gb(r.optimizer_bytes),
+            _gb(r.state_bytes),
+        ]
+        if act is not None:
+            cells += [_gb(r.activation_bytes), _gb(r.total_bytes)]
+        cells.append("[green]yes[/green]" if r.fits else "[red]no[/red]")
+        style = "bold" if r.strategy == a.recommendation else None
+        table.add_row(*cells, style=style)
+    console.print(table)
+    console.print("[bold]rules[/bold] (in order; the first that holds decides):")
+    for rule, holds, evidence in a.evaluations:
+        mark = {True: "[green]yes[/green]", False: "no", None: "[yellow]n/a[/yellow]"}[holds]
+        console.print(f"  {rule.number}. {rule.strategy}: {mark}: {evidence}")
+    rule_no = a.rule.number if a.rule else "?"
+    console.print(
+        f"[bold]recommendation: {a.recommendation}[/bold] (rule {rule_no}):"
+        f' Trainer(strategy="{a.recommendation}", devices={a.devices}, num_nodes={a.nodes}); or'
+        ' strategy="auto_parallel" to decide at setup'
+    )
+    for note in a.model.notes if a.model is not None else ():
+        console.print(f"[yellow]note[/yellow]: {note}")
+    for warning in a.warnings:
+        console.print(f"[red]warning[/red]: {warning}")

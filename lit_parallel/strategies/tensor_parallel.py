@@ -1,0 +1,385 @@
+"""TensorParallelStrategy ("tp_dp"): tensor parallelism inside blocks, FSDP2 across, no configure_model.
+
+A thin shell over :func:`~lit_parallel.parallel.infer_tp_plan`, :func:`~lit_parallel.parallel.apply_tp`
+and :func:`~lit_parallel.parallel.apply_fsdp`, in torchtitan's order: tensor parallelism, then
+activation checkpointing, then compile, then FSDP2 over the data-parallel dimension (per block, then the
+root). Everything else comes from ``fsdp_blocks`` (itself built on Lightning's ModelParallelStrategy):
+the mesh from :class:`~lit_parallel.parallel.ParallelDims`, a sampler over the data-parallel ranks only
+(the ranks of one tensor-parallel group read identical batches), no reduce-scatter on non-final
+micro-batches, gradient clipping over parameters on different meshes, precision flags, distributed
+checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from typing_extensions import override
+
+from lit_parallel.parallel.blocks import BlockPlan, find_transformer_blocks
+from lit_parallel.parallel.fsdp import (
+    _broadcast_from_rank0,
+    _has_meta,
+    apply_fsdp,
+    load_full_state_dict,
+)
+from lit_parallel.parallel.mesh import TP, ParallelDims, divisors
+from lit_parallel.parallel.tensor_parallel import (
+    PlanSpec,
+    TPPlan,
+    apply_tp,
+    local_parameter_bytes,
+    plan_from_spec,
+)
+from lit_parallel.strategies.fsdp import (
+    _STEP_METHODS,
+    TransformerFSDPStrategy,
+    _info,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+Size = Literal["auto"] | int
+_LAYOUT_KEY = "tp_dp_layout"
+
+
+def _check_size(name: str, value: Any, auto: bool = True) -> None:
+    if auto and value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be {'auto or ' if auto else ''}a positive integer")
+
+
+def _or(values: list[int]) -> str:
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
+
+
+class TensorParallelStrategy(TransformerFSDPStrategy):
+    """Tensor parallelism inside each transformer block and FSDP2 across, over a
+    ``(data_parallel, tensor_parallel)`` mesh (3-D with ``data_parallel_replicate_size``).
+
+    Args:
+        data_parallel_size: ranks that read different data. ``"auto"`` (default): the number of nodes,
+            or whatever ``tensor_parallel_size`` leaves.
+        tensor_parallel_size: ranks a block's weights are split over. ``"auto"`` (default): devices per
+            node (tensor parallelism communicates in every block, so it stays inside a node).
+        data_parallel_replicate_size: split the data-parallel ranks into replicas x shards (HSDP + TP,
+            as large clusters run it: shard inside a group of nodes, replicate across); 1 = plain FSDP.
+            ``data_parallel_replicate_size * (data_parallel_size / data_parallel_replicate_size) *
+            tensor_parallel_size`` must equal the world size; the error shows the arithmetic.
+        plan: ``"auto"`` (default): infer the column/row splits of every block's Linears from the data
+            flow (see :func:`~lit_parallel.parallel.infer_tp_plan`); or a dict ``{module_path:
+            ParallelStyle}`` (paths relative to the LightningModule, ``*`` wildcards allowed); or a
+            function ``fn(lightning_module, tp_mesh)`` that parallelizes the model itself.
+        sequence_parallel: ``True``: norms run on 1/tp of the sequence and the residual stream between
+            blocks is sharded over it (less activation memory, all-gather + reduce-scatter instead of
+            all-reduce). Needs pre-norm blocks and a sequence length divisible by the TP size.
+        loss_parallel: ``True``: the output head stays split over the vocabulary and the loss is computed
+            on the shards (``training_step`` and ``backward`` run under ``loss_parallel()``); the model's
+            logits are then a DTensor, so compute the loss with ``F.cross_entropy`` on them.
+        block_types: the transformer blocks (``"auto"``, classes, class names or a predicate), as in
+            ``fsdp_blocks``.
+        reshard_after_forward, mixed_precision, activation_checkpointing, compile, init_from,
+        save_distributed_checkpoint, process_group_backend, timeout: as in ``fsdp_blocks``.
+
+    The plan (module -> style, replicated layers with the reason, adjusted head-count attributes) and
+    the parameter bytes per rank are logged on rank 0; the plan is kept as ``strategy.tp_plan``. With
+    ``plan="auto"`` and a model that exists before ``fit`` (no ``configure_model``), the plan is inferred
+    and checked before any process group is created. To trace the data flow, the strategy runs the
+    module that holds the blocks once on made-up tokens (or the blocks on made-up activations); set
+    ``example_input_array`` on the LightningModule (and define its ``forward``) to use a real input.
+    """
+
+    strategy_name = "tp_dp"
+
+    def __init__(
+        self,
+        data_parallel_size: Size = "auto",
+        tensor_parallel_size: Size = "auto",
+        data_parallel_replicate_size: int = 1,
+        plan: PlanSpec = "auto",
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        block_types: Any = "auto",
+        reshard_after_forward: bool = True,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool | Mapping[str, Any] = False,
+        init_from: _PATH | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        _check_size("data_parallel_size", data_parallel_size)
+        _check_size("tensor_parallel_size", tensor_parallel_size)
+        _check_size("data_parallel_replicate_size", data_parallel_replicate_size, auto=False)
+        if not (isinstance(plan, (str, Mapping)) or callable(plan)) or (
+            isinstance(plan, str) and plan != "auto"
+        ):
+            raise ValueError(
+                f"plan={plan!r} must be 'auto', a dict {{module_path: ParallelStyle}} or a function"
+                " fn(lightning_module, tp_mesh)"
+            )
+        if sequence_parallel and not (isinstance(plan, str)):
+            raise ValueError(
+                "sequence_parallel=True applies to plan='auto'; a plan of your own must contain its"
+                " SequenceParallel styles itself (then leave sequence_parallel=False)"
+            )
+        for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False")
+        super().__init__(
+            block_types=block_types,
+            reshard_after_forward=reshard_after_forward,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            init_from=init_from,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._dp_size = data_parallel_size
+        self._tp_size = tensor_parallel_size
+        self._replicate_size = data_parallel_replicate_size
+        self._plan_spec = plan
+        self._sequence_parallel = sequence_parallel
+        self._loss_parallel = loss_parallel
+        self.tp_plan: TPPlan | None = None
+
+    # --- configuration, checked before any process exists -----------------------------------------------
+
+    @override
+    def _parallel_dims(self) -> ParallelDims:
+        world = self.num_nodes * self.num_processes
+        layout = f"num_nodes({self.num_nodes}) * devices({self.num_processes})"
+        tp, dp, rep = self._tp_size, self._dp_size, self._replicate_size
+        if tp == "auto" and dp == "auto":
+            tp = self.num_processes
+        elif tp == "auto":
+            if world % dp:
+                raise ValueError(
+                    f"data_parallel_size={dp} does not divide the world size {world} = {layout}; choose"
+                    f" {_or(divisors(world))}"
+                )
+            tp = world // dp
+        if dp == "auto":
+            if world % (tp * rep):
+                raise ValueError(
+                    f"tensor_parallel_size({tp}) * data_parallel_replicate_size({rep}) = {tp * rep} does not"
+                    f" divide the world size {world} = {layout}; choose sizes whose product divides {world}"
+                )
+            dp = world // tp
+        if dp % rep:
+            raise ValueError(
+                f"data_parallel_replicate_size={rep} does not divide data_parallel_size={dp} (the data-parallel"
+                f" ranks are replicate x shard); choose {_or(divisors(dp))}"
+            )
+        try:
+            return ParallelDims(
+                world_size=world,
+                data_parallel_replicate=rep,
+                data_parallel_shard=dp // rep,
+                tensor_parallel=tp,
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"{err} (tp_dp: data_parallel_size={dp} = data_parallel_replicate({rep}) *"
+                f" data_parallel_shard({dp // rep}), tensor_parallel_size={tp}, world size = {layout})"
+            ) from None
+
+    def _make_plan(self, module: nn.Module, blocks: BlockPlan | None = None) -> TPPlan:
+        example = None
+        array = getattr(module, "example_input_array", None)
+        if array is not None and is_overridden("forward", module):
+            example = array
+        return plan_from_spec(
+            module,
+            self._plan_spec,
+            self.parallel_dims.tensor_parallel,
+            block_types=blocks if blocks is not None else self._block_types,
+            sequence_parallel=self._sequence_parallel,
+            loss_parallel=self._loss_parallel,
+            example_inputs=example,
+        )
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        # A model that is complete now gets its plan now: a bad plan or size fails before any process group.
+        if not is_overridden("configure_model", model) and any(True for _ in model.parameters()):
+            if self._dims is None:
+                self._validate()
+            if not _has_meta(model):
+                self.tp_plan = self._make_plan(model)
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+
+    @override
+    def _parallelize(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.tensor import DTensor
+
+        assert self.model is not None
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            raise TypeError(
+                f"{type(self).__name__} parallelizes the model itself, but configure_model already produced"
+                " DTensor parameters. Remove that code from configure_model, pass your own plan=..., or use"
+                " Lightning's ModelParallelStrategy for hand-written parallelism."
+            )
+        self.model = self.precision_plugin.convert_module(self.model)
+        blocks = find_transformer_blocks(self.model, self._block_types)
+        plan = self.tp_plan if self.tp_plan is not None else self._make_plan(self.model, blocks)
+        self.tp_plan = plan
+        meta = _has_meta(self.model)
+        if not meta:
+            # Every rank starts from rank 0's weights, so each one can take its shard locally (no scatter).
+            _broadcast_from_rank0([t for t in (*self.model.parameters(), *self.model.buffers())])
+        tp_mesh = self.device_mesh[TP]
+        apply_tp(self.model, tp_mesh, plan, src_data_rank=None)
+        _info(f"{self.strategy_name}: mesh {self.parallel_dims.describe()}\n{plan.describe()}")
+        apply_fsdp(
+            self.model,
+            self.parallel_dims.fsdp_mesh(self.device_mesh),
+            block_types=blocks,
+            reshard_after_forward=self._reshard_after_forward,
+            mp_policy=self._mp_policy,
+            activation_checkpointing=self._activation_checkpointing,
+            compile=self._compile,
+            forward_methods=_STEP_METHODS,
+            sync_module_states=False,
+        )
+        _info(f"{self.strategy_name}: {describe_parameter_bytes(self.model, plan, self.parallel_dims)}")
+        if self._init_from is not None:
+            full = None
+            if self.global_rank == 0:
+                full = torch.load(self._init_from, mmap=True, weights_only=True, map_location="cpu")
+                full = plan.to_parallel_layout(full)
+            load_full_state_dict(self.model, full)
+            _info(
+                f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the split model"
+            )
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        # Weights are saved in their original layout, but the optimizer state of fused layers keeps the
+        # row order of this TP size: record it so that a resume with another TP size is refused.
+        if self.tp_plan is not None and self.tp_plan.fused:
+            checkpoint[_LAYOUT_KEY] = {
+                "tensor_parallel_size": self.tp_plan.tp_size,
+                "fused": sorted(self.tp_plan.fused),
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if (path / "meta.pt").is_file():
+            try:
+                meta = torch.load(path / "meta.pt", weights_only=weights_only is not False)
+            except Exception:  # noqa: BLE001 - Lightning reads it again below and reports its own error
+                meta = {}
+            self._check_layout(meta, path)
+        meta = super().load_checkpoint(path, weights_only)
+        self._check_layout(meta, path)
+        return meta
+
+    def _check_layout(self, meta: Mapping[str, Any], path: Path) -> None:
+        layout = meta.get(_LAYOUT_KEY) if isinstance(meta, Mapping) else None
+        tp = self.parallel_dims.tensor_parallel
+        if layout and layout["tensor_parallel_size"] != tp:
+            raise ValueError(
+                f"checkpoint {str(path)!r} was saved with tensor_parallel_size={layout['tensor_parallel_size']};"
+                f" the optimizer state of its fused layers ({', '.join(layout['fused'])}) is stored in that"
+                f" size's row order, so it cannot be resumed with tensor_parallel_size={tp}. Resume with"
+                f" tensor_parallel_size={layout['tensor_parallel_size']}, or start from its weights only:"
+                " `lit-parallel consolidate` it and pass the file as init_from=..."
+            )
+
+    # --- loss parallel ----------------------------------------------------------------------------------
+
+    def _loss_context(self):
+        if not self._loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return _local_loss(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return _local_loss(super().validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return _local_loss(super().test_step(*args, **kwargs))
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The loss-parallel backward ops are only registered inside the context.
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Tensor parallel inside blocks (plan inferred) + FSDP2 across, over a 2-D/3-D mesh",
+        )
+
+
+def _local_loss(output: Any) -> Any:
+    """A replicated DTensor loss (loss parallel) as the plain tensor Lightning expects; its backward still
+    runs through the DTensor graph."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, DTensor):
+        return output.to_local()
+    if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
+        return {**output, "loss": output["loss"].to_local()}
+    return output
+
+
+def describe_parameter_bytes(module: nn.Module, plan: TPPlan, dims: ParallelDims) -> str:
+    """Parameter bytes this rank holds: split block layers (1/(dp x tp) of their size) and the rest (1/dp)."""
+    from torch.distributed.tensor import DTensor
+
+    local = local_parameter_bytes(module)
+    split_paths = tuple(f"{layer.path}." for layer in plan.split)
+    groups = {"split": [0, 0], "other": [0, 0]}
+    for name, p in module.named_parameters():
+        full = p.numel() * p.element_size() if isinstance(p, DTensor) else local[name]
+        key = "split" if name.startswith(split_paths) else "other"
+        groups[key][0] += local[name]
+        groups[key][1] += full
+    (s_local, s_full), (o_local, o_full) = groups["split"], groups["other"]
+    return (
+        f"parameter bytes on this rank: {s_local + o_local:,} of {s_full + o_full:,};"
+        f" tensor-parallel layers {s_local:,} of {s_full:,}"
+        f" (1/{s_full // s_local if s_local else 0}; data_parallel {dims.data_parallel} x tensor_parallel"
+        f" {dims.tensor_parallel}), other parameters {o_local:,} of {o_full:,}"
+    )

@@ -1,0 +1,129 @@
+"""PitfallReport scenarios: a healthy run, and runs built to show each pitfall."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from lit_parallel.callbacks import (
+    ParallelTrainingError,
+    ParallelTrainingWarning,
+    PitfallReport,
+    per_rank_seed,
+    scaled_learning_rate,
+)
+from tests.scenarios.callbacks_common import captured_warnings, make_trainer
+
+BASE_LR = 0.05
+
+
+class BatchedData(Dataset):
+    """Whole batches per item (one __getitem__ per step keeps loading cheap), with random noise added."""
+
+    def __init__(self, n_batches: int, batch: int, dim: int, sleep_s: float = 0.0):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n_batches, batch, dim, generator=g)
+        self.y = torch.randn(n_batches, batch, 1, generator=g)
+        self.sleep_s = sleep_s
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i] + 0.01 * torch.randn(self.x[i].shape), self.y[i]
+
+
+class MLP(L.LightningModule):
+    """``repeat`` passes through one shared hidden layer: much compute for few parameters (or, with
+    ``repeat=1`` and a wide layer, many parameters for little compute)."""
+
+    def __init__(
+        self, dim, hidden, repeat, lr, *, rank_local_buffer=False, slow_rank=None, seed_per_rank=False
+    ):
+        super().__init__()
+        self.inp = torch.nn.Linear(dim, hidden)
+        self.hidden = torch.nn.Linear(hidden, hidden)
+        self.out = torch.nn.Linear(hidden, 1)
+        self.repeat = repeat
+        self.lr = lr
+        self.rank_local_buffer = rank_local_buffer
+        self.slow_rank = slow_rank
+        self.seed_per_rank = seed_per_rank
+        self.register_buffer("input_mean", torch.zeros(dim))
+
+    def on_train_start(self):
+        if self.seed_per_rank:
+            torch.manual_seed(per_rank_seed(0, self.trainer))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.rank_local_buffer:
+            # a running statistic of this rank's data only: it drifts apart across ranks
+            self.input_mean.mul_(0.9).add_(0.1 * x.mean(0))
+        if self.slow_rank is not None and dist.get_rank() == self.slow_rank:
+            time.sleep(0.06)
+        h = torch.tanh(self.inp(x))
+        for _ in range(self.repeat):
+            h = torch.tanh(self.hidden(h))
+        return torch.nn.functional.mse_loss(self.out(h), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _run(ctx, module, data, report, **trainer_kwargs) -> dict:
+    trainer = make_trainer(ctx, callbacks=[report], max_epochs=1, **trainer_kwargs)
+    raised = None
+    with captured_warnings(ParallelTrainingWarning) as caught:
+        try:
+            trainer.fit(module, DataLoader(data, batch_size=None, shuffle=True))
+        except ParallelTrainingError as err:
+            raised = str(err)
+    findings, table = report.findings, report.table()
+    del trainer, report
+    gc.collect()  # free this run's DDP reducer while the process group is alive
+    return {
+        "status": {f.check: f.status for f in findings},
+        "evidence": {f.check: f.evidence for f in findings},
+        "table": table,
+        "warnings": caught,
+        "raised": raised,
+    }
+
+
+# A healthy run: compute-bound MLP (~50 ms per step), learning rate scaled by the linear rule,
+# per-rank seeds.
+DIM, HIDDEN, REPEAT, BATCH = 128, 256, 8, 512
+
+
+def healthy(ctx) -> dict:
+    lr = scaled_learning_rate(BASE_LR, BATCH, BATCH * ctx.world_size, rule="linear")
+    module = MLP(DIM, HIDDEN, REPEAT, lr, seed_per_rank=True)
+    report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
+    return _run(ctx, module, BatchedData(24, BATCH, DIM), report)
+
+
+def faulty_model_and_data(ctx) -> dict:
+    """Rank-local buffer, unscaled learning rate, the same seed on every rank, a slow dataset."""
+    L.seed_everything(0)
+    module = MLP(DIM, HIDDEN, REPEAT, BASE_LR, rank_local_buffer=True)
+    report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
+    return _run(ctx, module, BatchedData(24, BATCH, DIM, sleep_s=0.06), report)
+
+
+def faulty_communication(ctx) -> dict:
+    """4M parameters and 8 samples per step: the gradient all-reduce dominates the step."""
+    module = MLP(1024, 2048, 1, 0.01, seed_per_rank=True)
+    return _run(ctx, module, BatchedData(12, 8, 1024), PitfallReport(check_every_n_steps=4))
+
+
+def faulty_straggler(ctx) -> dict:
+    module = MLP(DIM, HIDDEN, REPEAT, 0.01, slow_rank=1, seed_per_rank=True)
+    return _run(ctx, module, BatchedData(24, BATCH, DIM), PitfallReport(check_every_n_steps=4))

@@ -1,0 +1,229 @@
+"""The advisor: ZeRO's per-rank accounting for every strategy, the ordered rules, `lit-parallel advise`.
+
+Every expected figure below is written out from the formulas (bytes per parameter, divided by the ranks
+each strategy shards over), never taken from the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lit_parallel.parallel.advisor import (
+    RULES,
+    advise,
+    estimate_activations,
+    parse_count,
+    rules_markdown,
+    summarize_model,
+)
+
+GB = 1e9
+
+
+def _rows(advice) -> dict[str, tuple[float, float, float]]:
+    return {r.name: (r.param_bytes / GB, r.grad_bytes / GB, r.optimizer_bytes / GB) for r in advice.rows}
+
+
+def test_mixed_precision_adam_counts_2_plus_2_plus_12_bytes_divided_by_what_each_strategy_shards():
+    # 1e9 parameters, 2 nodes x 8 devices = 16 ranks
+    rows = _rows(advise(1e9, devices=8, nodes=2, memory_gb=80, precision="bf16-mixed"))
+    assert rows["DDP"] == pytest.approx((2.0, 2.0, 12.0))  # 16 GB: nothing sharded
+    assert rows["ZeRO-1"] == pytest.approx((2.0, 2.0, 12.0 / 16))  # 4.75 GB
+    assert rows["ZeRO-2"] == pytest.approx((2.0, 2.0 / 16, 12.0 / 16))  # 2.875 GB
+    assert rows["FSDP/ZeRO-3"] == pytest.approx((2.0 / 16, 2.0 / 16, 12.0 / 16))  # 1 GB
+    assert rows["HSDP"] == pytest.approx((2.0 / 8, 2.0 / 8, 12.0 / 8))  # 2 GB: sharded inside a node of 8
+    assert rows["TP+DP"] == pytest.approx((2.0 / 16, 2.0 / 16, 12.0 / 16))  # tp 8 x fsdp 2
+
+
+def test_fp32_adam_counts_4_plus_4_plus_8_bytes():
+    # 7e9 parameters on one node of 8 devices
+    rows = _rows(advise(7e9, devices=8, memory_gb=80, precision="32-true"))
+    assert rows["DDP"] == pytest.approx((28.0, 28.0, 56.0))  # 112 GB
+    assert rows["ZeRO-1"] == pytest.approx((28.0, 28.0, 7.0))  # 63 GB
+    assert rows["ZeRO-2"] == pytest.approx((28.0, 3.5, 7.0))  # 38.5 GB
+    assert rows["FSDP/ZeRO-3"] == pytest.approx((3.5, 3.5, 7.0))  # 14 GB
+    assert rows["HSDP"] == pytest.approx((3.5, 3.5, 7.0))  # one node: HSDP shards over all 8
+    totals = {
+        r.name: r.state_bytes / GB for r in advise(7e9, devices=8, memory_gb=80, precision="32-true").rows
+    }
+    assert totals["ZeRO-2"] == pytest.approx(38.5) and totals["DDP"] == pytest.approx(112.0)
+
+
+def test_rule_1_state_fits_one_device_gives_ddp_tuned():
+    a = advise(1e9, devices=8, nodes=2, memory_gb=80)  # 16 GB <= 80 GB
+    assert (a.recommendation, a.rule.number) == ("ddp_tuned", 1)
+    assert [rule.number for rule, _, _ in a.evaluations] == [1]
+
+
+def test_rule_2_block_too_large_for_one_device_gives_tp_dp():
+    # a block of 30e9 parameters needs 30e9 x (2 + 2) = 120 GB in bf16 > 80 GB
+    a = advise(1e12, devices=8, nodes=4, memory_gb=80, block_params=30e9)
+    assert (a.recommendation, a.rule.number) == ("tp_dp", 2)
+    assert a.block_working_bytes == pytest.approx(120e9)
+    # in fp32 a 15e9 block needs 15e9 x (4 + 4) = 120 GB as well
+    b = advise(1e12, devices=8, nodes=4, memory_gb=80, block_params=15e9, precision="32-true")
+    assert b.recommendation == "tp_dp" and b.block_working_bytes == pytest.approx(120e9)
+
+
+def test_rule_3_several_nodes_and_state_fits_inside_one_node_gives_hsdp():
+    # 13e9 x 16 = 208 GB does not fit; sharded over 8 devices of a node: 26 GB fits
+    a = advise(13e9, devices=8, nodes=2, memory_gb=80, block_params=0.3e9)
+    assert (a.recommendation, a.rule.number) == ("hsdp", 3)
+    assert a.row("HSDP").state_bytes == pytest.approx(26e9)
+
+
+def test_rule_4_otherwise_fsdp_blocks():
+    # 70e9 x 16 = 1120 GB; one node's 8 devices: 140 GB > 80; all 32 ranks: 35 GB
+    a = advise(70e9, devices=8, nodes=4, memory_gb=80, block_params=0.86e9)
+    assert (a.recommendation, a.rule.number) == ("fsdp_blocks", 4)
+    assert [holds for _, holds, _ in a.evaluations] == [False, False, False, True]
+    assert a.row("FSDP/ZeRO-3").state_bytes == pytest.approx(35e9)
+    assert not a.warnings
+    # one node: rule 3 never applies
+    one_node = advise(20e9, devices=8, memory_gb=80, block_params=0.5e9)
+    assert one_node.recommendation == "fsdp_blocks"
+
+
+def test_unknown_block_size_leaves_rule_2_unevaluated_and_says_why():
+    a = advise(70e9, devices=8, nodes=1, memory_gb=80)
+    rule, holds, evidence = a.evaluations[1]
+    assert rule.strategy == "tp_dp" and holds is None and "block" in evidence
+
+
+def test_a_recommendation_that_does_not_fit_comes_with_a_warning():
+    a = advise(1e12, devices=8, memory_gb=80, block_params=1e9)  # 16e12 / 8 = 2 TB per rank
+    assert a.recommendation == "fsdp_blocks"
+    assert "more than" in a.warnings[0] and "activation_checkpointing" in a.warnings[0]
+
+
+def test_rules_are_one_ordered_table_shared_with_the_docs():
+    assert [r.strategy for r in RULES] == ["ddp_tuned", "tp_dp", "hsdp", "fsdp_blocks"]
+    table = rules_markdown().splitlines()
+    assert len(table) == 2 + len(RULES)
+    assert all(f"`{r.strategy}`" in line for r, line in zip(RULES, table[2:]))
+
+
+def test_parameter_counts_accept_suffixes_and_reject_nonsense():
+    assert parse_count("7B") == 7_000_000_000
+    assert parse_count("350M") == 350_000_000
+    assert parse_count("1.3b") == 1_300_000_000
+    assert parse_count("125_000_000") == 125_000_000
+    assert parse_count("7e9") == 7_000_000_000
+    for bad in ("seven", "0", "-5", "1.5"):
+        with pytest.raises(ValueError):
+            parse_count(bad)
+
+
+class _TwoBlocks(nn.Module):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([self.Block(), self.Block()])
+        self.example_input_array = torch.zeros(2, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_activation_estimate_counts_what_autograd_saves_once_and_not_the_parameters():
+    model = _TwoBlocks()
+    fp32 = estimate_activations(model, precision="32-true", blocks=list(model.blocks))
+    # block 0 saves its input (2 x 8 floats, for the weight gradient) and its relu output (2 x 8);
+    # block 1's input is that same relu output (counted once, in block 0) and it saves its relu output.
+    assert fp32.total_bytes == 3 * 2 * 8 * 4
+    assert fp32.largest_block_bytes == 2 * 2 * 8 * 4
+    assert fp32.block_bytes == fp32.total_bytes
+    half = estimate_activations(model, precision="bf16-mixed", blocks=list(model.blocks))
+    assert half.total_bytes == 3 * 2 * 8 * 2  # computed in 2 bytes
+    # the real model is untouched (the trace runs on meta-device stand-ins)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_model_gives_parameters_blocks_and_activations():
+    s = summarize_model("tests.models:Llama", precision="32-true", batch_size=2)
+    llama = __import__("tests.models", fromlist=["Llama"]).Llama()
+    per_block = sum(p.numel() for p in llama.layers[0].parameters())
+    assert s.params == sum(p.numel() for p in llama.parameters())
+    assert (s.num_blocks, s.largest_block_params) == (2, per_block)
+    assert s.activations is not None and s.activations.input_description == "tokens (2, 16)"
+    assert 0 < s.activations.largest_block_bytes < s.activations.total_bytes
+    a = advise(model="tests.models:Llama", devices=2, memory_gb=1, precision="32-true", batch_size=2)
+    assert a.largest_block_params == per_block and a.row("DDP").activation_bytes == s.activations.total_bytes
+
+
+def _advise_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lit_parallel.cli", "advise", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200"),
+        check=False,
+    )
+
+
+def test_advise_command_prints_the_table_and_writes_the_same_figures_as_json(tmp_path):
+    out = tmp_path / "advice.json"
+    res = _advise_cli(
+        "--params", "1B", "--devices", "8", "--nodes", "2", "--memory-gb", "80", "--json", str(out)
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "recommendation: ddp_tuned (rule 1)" in res.stdout
+    for label in ("DDP", "ZeRO-1", "ZeRO-2", "FSDP/ZeRO-3", "HSDP", "TP+DP"):
+        assert label in res.stdout
+    assert "2 + 2 + 12 = 16 bytes per parameter" in res.stdout
+    data = json.loads(out.read_text())
+    state = {r["name"]: r["state_gb"] for r in data["rows"]}
+    assert state == pytest.approx(
+        {"DDP": 16.0, "ZeRO-1": 4.75, "ZeRO-2": 2.875, "FSDP/ZeRO-3": 1.0, "HSDP": 2.0, "TP+DP": 1.0}
+    )
+    assert data["recommendation"] == "ddp_tuned" and data["rule"] == 1
+
+
+def test_advise_command_reads_a_model_class(capsys, monkeypatch):
+    from lit_parallel.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["advise", "--model", "tests.models:Llama", "--devices", "2", "--memory-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks: 2 blocks: 2 x LlamaBlock" in out
+    assert "activations:" in out and "tokens (1, 16)" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "seven"], "'seven' is not a number of parameters"),
+        (["--params", "1e9", "--devices", "0"], "devices=0 must be a positive integer"),
+        (["--params", "1e9", "--memory-gb", "-1"], "memory_gb=-1.0 must be a positive number"),
+        (["--model", "no_such_pkg.mod:Net"], "cannot import 'no_such_pkg.mod'"),
+        (["--params", "1e9", "--model-kwargs", "{}"], "--model-kwargs goes with --model"),
+    ],
+)
+def test_advise_command_refuses_bad_input_with_the_value_and_the_fix(args, message):
+    import contextlib
+    import io
+
+    from lit_parallel.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["advise", *args])
+    assert code == 2
+    assert message in err.getvalue()

@@ -1,0 +1,173 @@
+"""AutoStrategy ("auto_parallel"): picks by the advisor's rules at setup, then behaves exactly as the
+chosen strategy (same losses as that strategy given explicitly, on real gloo ranks).
+
+The model is tests/models.py's Llama in fp32: 22,688 parameters, so DDP's state is 16 x 22,688 =
+363,008 bytes per rank, and its largest block (9,280 parameters) needs 8 x 9,280 = 74,240 bytes of
+parameters and gradients plus its activations. Device memory is set to land on each rule.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader, TensorDataset
+
+import lit_parallel as lp
+from tests.harness import launch
+from tests.models import Llama
+
+PLENTY = None  # the machine's RAM / ranks: the whole state fits -> ddp_tuned (rule 1)
+BETWEEN = 0.00025  # 250 kB: less than DDP's 363 kB + activations, more than one block -> fsdp_blocks (rule 4)
+TINY = 0.00005  # 50 kB: less than one block's 74 kB -> tp_dp (rule 2)
+
+
+class TokenLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Llama()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[0]
+        logits = self.model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)
+        )
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _fit(strategy, world_size: int) -> tuple[L.Trainer, TokenLM]:
+    torch.manual_seed(0)
+    model = TokenLM()
+    data = TensorDataset(torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(1)))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=2))
+    return trainer, model
+
+
+def _auto_vs_explicit(ctx, memory_gb, explicit) -> dict:
+    auto_trainer, auto_model = _fit(lp.AutoStrategy(memory_gb=memory_gb), ctx.world_size)
+    _, explicit_model = _fit(explicit, ctx.world_size)
+    advice = auto_trainer.strategy.advice
+    return {
+        "class": type(auto_trainer.strategy).__name__,
+        "recommendation": advice.recommendation,
+        "rule": advice.rule.number,
+        "auto_losses": auto_model.losses,
+        "explicit_losses": explicit_model.losses,
+    }
+
+
+# --- scenarios (run inside the ranks) ---------------------------------------------------------------------
+
+
+def picks_ddp_tuned(ctx) -> dict:
+    return _auto_vs_explicit(ctx, PLENTY, lp.TunedDDPStrategy())
+
+
+def picks_fsdp_blocks(ctx) -> dict:
+    return _auto_vs_explicit(ctx, BETWEEN, lp.TransformerFSDPStrategy())
+
+
+def picks_tp_dp(ctx) -> dict:
+    return _auto_vs_explicit(ctx, TINY, lp.TensorParallelStrategy())
+
+
+# --- tests ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    scenarios = [
+        f"tests.test_auto_strategy:{n}" for n in ("picks_ddp_tuned", "picks_fsdp_blocks", "picks_tp_dp")
+    ]
+    return launch(scenarios, 2, tmp_path_factory.mktemp("auto"), timeout=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize(
+    ("scenario", "cls", "name", "rule"),
+    [
+        ("picks_ddp_tuned", "TunedDDPStrategy", "ddp_tuned", 1),
+        ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 4),
+        ("picks_tp_dp", "TensorParallelStrategy", "tp_dp", 2),
+    ],
+)
+def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_like_it(
+    run, scenario, cls, name, rule
+):
+    for rank, r in enumerate(run.scenario(scenario)):
+        assert (r["class"], r["recommendation"], r["rule"]) == (cls, name, rule), f"rank {rank}"
+        assert len(r["auto_losses"]) == 3
+        torch.testing.assert_close(
+            torch.tensor(r["auto_losses"]), torch.tensor(r["explicit_losses"]), rtol=1e-6, atol=0
+        )
+
+
+def test_auto_parallel_is_registered():
+    assert "auto_parallel" in StrategyRegistry
+    assert isinstance(StrategyRegistry.get("auto_parallel"), lp.AutoStrategy)
+
+
+def test_several_nodes_whose_node_holds_the_sharded_state_get_hsdp_with_its_arguments():
+    # 2 nodes x 2 devices, 300 kB each: DDP 363 kB + activations does not fit; sharded over the 2 devices of
+    # a node (181.5 kB + activations) does.
+    strategy = lp.AutoStrategy(memory_gb=0.0003, strategy_kwargs={"hsdp": {"reshard_after_forward": False}})
+    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, logger=False)
+    launcher, precision = trainer.strategy.launcher, trainer.strategy.precision_plugin
+    model = TokenLM()
+    trainer.strategy._lightning_module = model
+    trainer.strategy.connect(model)
+    s = trainer.strategy
+    assert type(s) is lp.HybridShardStrategy and s.advice.rule.number == 3
+    assert s.num_nodes == 2 and s.num_processes == 2 and s.world_size == 4
+    assert s._reshard_after_forward is False  # strategy_kwargs["hsdp"] reached it
+    assert s.launcher is launcher and s.precision_plugin is precision  # what Lightning set up is kept
+
+
+@pytest.mark.parametrize(("precision", "chosen"), [("32-true", "tp_dp"), ("bf16-mixed", "fsdp_blocks")])
+def test_the_decision_follows_the_trainer_precision(precision, chosen):
+    # 80 kB per device. The largest block's parameters + gradients: 9,280 x (4 + 4) = 74,240 bytes in fp32
+    # (plus activations: too much), 9,280 x (2 + 2) = 37,120 bytes in bf16 (plus half the activations: fits).
+    strategy = lp.AutoStrategy(memory_gb=0.00008)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, logger=False)
+    model = TokenLM()
+    trainer.strategy._lightning_module = model
+    trainer.strategy.connect(model)
+    advice = trainer.strategy.advice
+    assert advice.precision == precision and advice.recommendation == chosen
+    assert (
+        advice.block_working_bytes - advice.activations.largest_block_bytes
+        == 9_280 * 2 * advice.bytes.compute
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"memory_gb": 0}, "memory_gb=0 must be a positive number"),
+        ({"strategy_kwargs": {"ddp": {}}}, "strategy_kwargs has key 'ddp'"),
+        ({"strategy_kwargs": {"fsdp_blocks": {"reshard": True}}}, "does not fit TransformerFSDPStrategy"),
+        ({"strategy_kwargs": {"tp_dp": {"timeout": 5}}}, "pass it to AutoStrategy(timeout=...)"),
+    ],
+)
+def test_bad_arguments_are_refused_when_the_strategy_is_built(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        lp.AutoStrategy(**kwargs)
+    assert message in str(info.value)

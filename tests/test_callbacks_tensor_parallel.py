@@ -1,0 +1,49 @@
+"""Callbacks under a 2 x 2 (data_parallel x tensor_parallel) mesh: tensor-parallel peers count once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import launch
+from tests.test_callbacks_metrics import single_process_values
+
+pytestmark = pytest.mark.multiprocess
+N = 9  # 9 samples on 2 data-parallel ranks: one padding repeat
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return launch(
+        [
+            "tests.scenarios.callbacks_metrics:tensor_parallel_metrics",
+            "tests.scenarios.callbacks_set_epoch:tensor_parallel_set_epoch",
+        ],
+        4,
+        tmp_path_factory.mktemp("tp"),
+        args={"n": N, "batches": [2]},
+        timeout=400,
+    )
+
+
+@pytest.mark.timeout(420)
+def test_metrics_count_each_sample_once_under_tensor_parallelism(run):
+    expected = single_process_values(N)
+    for rank, out in enumerate(run.scenario("tensor_parallel_metrics")):
+        runs = out[2]
+        for name, prefix in (("fit", "val"), ("validate", "val"), ("test", "test")):
+            got = runs[name]
+            assert got[f"{prefix}_count"] == got[f"{prefix}_count_metric"] == N, (rank, name, got)
+            assert got[f"{prefix}_acc"] == pytest.approx(expected["acc"], rel=1e-6)
+            assert got[f"{prefix}_loss"] == pytest.approx(expected["loss"], rel=1e-5)
+            assert runs[f"{name}_gathered"]["index"].tolist() == list(range(N))
+        # without the callback: 2 tensor-parallel peers x (9 samples + 1 padding repeat)
+        assert runs["validate_without_callback"]["val_count"] == 20
+
+
+@pytest.mark.timeout(420)
+def test_set_epoch_check_counts_tensor_parallel_peers_once(run):
+    outs = run.scenario("tensor_parallel_set_epoch")
+    assert all(out["correct"] == [] for out in outs)
+    (finding,) = outs[0]["everything"]
+    assert "16 of the 32 samples drawn by the 2 data-parallel ranks" in finding
+    assert outs[0]["everything_warnings"] == [finding] and outs[1]["everything_warnings"] == []

@@ -1,0 +1,264 @@
+"""fsdp_blocks (and hsdp) on 2 real gloo ranks, against a single-process plain PyTorch reference.
+
+Two launches: one torchrun launch runs every scenario of tests/scenarios/fsdp.py for 2 ranks; one
+launch goes through Lightning's own launcher. Expected values come from the reference loop, ZeRO's
+formulas and measured DDP, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import launch
+from tests.models import GPT, GPTConfig
+from tests.reference import assert_rel_close, collate, reference_training
+from tests.scenarios import fsdp as sc
+
+pytestmark = pytest.mark.multiprocess
+WORLD = 2
+BATCH = 2  # per rank
+GPT_PARAMS = sum(p.numel() for p in GPT().parameters())
+GROUPS = GPTConfig().n_layer + 1  # one FSDP group per block, plus the root (embeddings, final norm, head)
+
+SCENARIOS = [
+    "parity_zero3",
+    "parity_zero2",
+    "parity_llama_seq2seq",
+    "comm_vs_ddp",
+    "memory_adamw",
+    "meta_init",
+    "pretrained_load",
+    "evaluation",
+    "precision_modes",
+    "checkpointing_compile_offload",
+    "clip_mixed_dtensor",
+]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    torch.manual_seed(123)
+    state = {f"model.{k}": v for k, v in GPT().state_dict().items()}
+    path = tmp_path_factory.mktemp("pretrained") / "weights.pt"
+    torch.save(state, path)
+    return path, state
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, pretrained):
+    """One torchrun launch of 2 ranks runs every scenario."""
+    return launch(
+        [f"tests.scenarios.fsdp:{n}" for n in SCENARIOS],
+        WORLD,
+        tmp_path_factory.mktemp("fsdp"),
+        args={"pretrained": str(pretrained[0])},
+        timeout=420,
+    )
+
+
+def _reference(name="gpt", steps=5, accumulate=2, clip=0.5, world=WORLD):
+    return reference_training(
+        sc.build_model(name),
+        sc.DATASETS[name](),
+        sc.LOSSES[name],
+        world_size=world,
+        per_rank_batch=BATCH,
+        max_steps=steps,
+        lr=0.1,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+    )
+
+
+def assert_parity(per_rank: list[dict], ref: dict, what: str) -> None:
+    # every rank's micro-batch loss is the mean over its samples; the global batch loss is their mean
+    losses = torch.stack([r["losses"] for r in per_rank]).mean(0)
+    assert_rel_close(losses, torch.tensor(ref["losses"]), what=f"{what}: losses")
+    gathered = per_rank[0]["params"]
+    assert set(gathered) == {f"model.{k}" for k in ref["params"]}
+    for name, expected in ref["params"].items():
+        assert_rel_close(gathered[f"model.{name}"], expected, what=f"{what}: {name}")
+
+
+@pytest.mark.timeout(480)
+def test_fsdp_blocks_zero3_matches_single_process_with_accumulation_and_clipping(run):
+    out = run.scenario("parity_zero3")
+    assert_parity(out, _reference(), "fsdp_blocks reshard_after_forward=True")
+    assert all(p == "(Shard(dim=0),)" for p in out[0]["placements"].values())
+    assert len(out[0]["placements"]) == len(list(GPT().parameters()))
+
+
+@pytest.mark.timeout(480)
+def test_fsdp_blocks_zero2_matches_single_process_with_accumulation_and_clipping(run):
+    assert_parity(run.scenario("parity_zero2"), _reference(), "fsdp_blocks reshard_after_forward=False")
+
+
+@pytest.mark.timeout(480)
+def test_gradient_accumulation_reduce_scatters_only_on_the_last_micro_batch(run):
+    accumulate = 2
+    # ZeRO-3 gathers every group (root included) in forward and again in backward; ZeRO-2 only in forward
+    for label, rounds in (("parity_zero3", 2), ("parity_zero2", 1)):
+        for rank, r in enumerate(run.scenario(label)):
+            for i, step in enumerate(r["steps"]):
+                what = f"{label} rank {rank} optimizer step {i}"
+                assert step["all_gather"] == accumulate * rounds * GROUPS, what
+                assert step["all_gather_bytes"] == accumulate * rounds * 4 * GPT_PARAMS, what
+                # one reduce-scatter per group per optimizer step, not per micro-batch
+                assert step["reduce_scatter"] == GROUPS, what
+                assert step["reduce_scatter_bytes"] == 4 * GPT_PARAMS, what
+                # gradient clipping: one scalar all-reduce of the sharded norm
+                assert step["all_reduce"] == 1 and step["all_reduce_bytes"] < 4 * 64, what
+
+
+@pytest.mark.timeout(480)
+def test_communication_per_step_is_zero3_1_5x_and_zero2_1_0x_of_ddp(run):
+    out = run.scenario("comm_vs_ddp")[0]
+
+    def sent(step):  # ring collectives: all-gather / reduce-scatter (N-1)/N, all-reduce 2(N-1)/N
+        ring = (WORLD - 1) / WORLD
+        return ring * (step["all_gather_bytes"] + step["reduce_scatter_bytes"] + 2 * step["all_reduce_bytes"])
+
+    ddp, zero3, zero2 = out["ddp"], out["zero3"], out["zero2"]
+    assert ddp["all_reduce_bytes"] == 4 * GPT_PARAMS  # DDP all-reduces every fp32 gradient once
+    assert ddp["all_gather"] == 0 and ddp["reduce_scatter"] == 0
+    # ZeRO: DDP moves 2 units, ZeRO-3 3 (gather twice, reduce-scatter once), ZeRO-2 2 (gather once)
+    assert sent(zero3) / sent(ddp) == pytest.approx(1.5, rel=1e-12)
+    assert sent(zero2) / sent(ddp) == pytest.approx(1.0, rel=1e-12)
+    assert zero3["all_gather"] == 2 * GROUPS and zero2["all_gather"] == GROUPS
+    assert zero3["reduce_scatter"] == zero2["reduce_scatter"] == GROUPS
+
+
+@pytest.mark.timeout(480)
+def test_memory_per_rank_is_16_bytes_per_parameter_over_n(run):
+    for rank, m in enumerate(run.scenario("memory_adamw")):
+        # fp32 parameters 4P/N, gradients 4P/N, AdamW's two moments 8P/N (plus a scalar step per tensor)
+        assert m["params"] == 4 * GPT_PARAMS // WORLD, rank
+        assert m["grads"] == 4 * GPT_PARAMS // WORLD, rank
+        assert m["total"] == pytest.approx(16 * GPT_PARAMS / WORLD, rel=0.02), rank
+
+
+@pytest.mark.timeout(480)
+def test_meta_device_model_is_materialised_shard_by_shard_with_identical_weights(run):
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    out = run.scenario("meta_init")
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict({"model": GPT(GPTConfig(n_layer=4))})
+    full_bytes = 4 * sum(p.numel() for p in model.parameters())
+    for rank, r in enumerate(out):
+        assert 0 < r["largest_alloc"] < full_bytes, f"rank {rank}: an allocation as large as the model"
+        assert r["peak"] < full_bytes, (
+            f"rank {rank}: {r['peak']} live bytes during setup >= model {full_bytes}"
+        )
+        assert r["shard_numel"] * 4 * WORLD == full_bytes
+    # every rank draws rank 0's random numbers: the same weights as materialising the whole model in one
+    # process (Lightning's to_empty + reset_parameters) from rank 0's generator state
+    torch.set_rng_state(out[0]["rng_state"])
+    _materialize_distributed_module(model, torch.device("cpu"))
+    expected = model.state_dict()
+    for rank, r in enumerate(out):
+        assert set(r["full"]) == set(expected)
+        for k, v in expected.items():
+            torch.testing.assert_close(r["full"][k], v, rtol=0, atol=0, msg=f"rank {rank} {k}")
+
+
+@pytest.mark.timeout(480)
+def test_pretrained_full_state_dict_loads_into_sharded_meta_model_from_rank_0(run, pretrained):
+    _, state = pretrained
+    out = run.scenario("pretrained_load")
+    assert out[1]["full"] == {}  # rank 1 was given a path that does not exist: it never read it
+    assert set(out[0]["full"]) == set(state)
+    for k, v in state.items():
+        torch.testing.assert_close(out[0]["full"][k], v, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(480)
+def test_validate_test_and_predict_under_fsdp_blocks_and_hsdp(run):
+    data = sc.lm_dataset(n=16, seed=1)
+    model = sc.build_model("gpt").eval()
+    out = run.scenario("evaluation")
+    for label in ("fsdp", "fsdp_zero2", "hsdp"):
+        for rank, r in enumerate(out):
+            # evaluation samplers do not shuffle: rank r reads r, r + N, ...
+            indices = list(range(rank, len(data), WORLD))
+            batches = [indices[i : i + BATCH] for i in range(0, len(indices), BATCH)]
+            with torch.no_grad():
+                expected = [sc.lm_loss(model, collate(data, b)).item() for b in batches]
+                expected_out = model(data.tensors[0][indices])
+            assert_rel_close(
+                torch.tensor(r[label]["val"]), torch.tensor(expected), what=f"{label} val {rank}"
+            )
+            assert_rel_close(
+                torch.tensor(r[label]["test"]), torch.tensor(expected), what=f"{label} test {rank}"
+            )
+            assert r[label]["pred_idx"].tolist() == indices
+            assert_rel_close(r[label]["pred_out"], expected_out, what=f"{label} predict {rank}")
+
+
+@pytest.mark.timeout(480)
+def test_llama_and_encoder_decoder_models_match_single_process(run):
+    out = run.scenario("parity_llama_seq2seq")
+    for name, blocks in (("llama", 2), ("seq2seq", 4)):
+        per_rank = [r[name] for r in out]
+        assert per_rank[0]["num_blocks"] == blocks
+        assert_parity(per_rank, _reference(name, steps=2, accumulate=1, clip=None), name)
+
+
+@pytest.mark.timeout(480)
+def test_bf16_mixed_casts_once_through_fsdp_policy_and_bf16_true_stores_bf16(run):
+    out = run.scenario("precision_modes")[0]
+    mixed, true = out["bf16-mixed"], out["bf16-true"]
+    # FSDP's policy casts: blocks compute in bf16, shards and gradient reduction stay fp32, no autocast
+    assert mixed["compute"] == {
+        "weight": "torch.bfloat16",
+        "input": "torch.bfloat16",
+        "output": "torch.bfloat16",
+    }
+    assert mixed["sharded_param"] == mixed["grad"] == "torch.float32"
+    assert mixed["autocast"] is False and mixed["trainer_precision"] == "bf16-mixed"
+    assert true["sharded_param"] == true["grad"] == "torch.bfloat16"
+    assert true["compute"]["weight"] == "torch.bfloat16" and true["autocast"] is False
+    for r in (mixed, true):
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+
+
+@pytest.mark.timeout(480)
+def test_activation_checkpointing_and_compile_per_block_leave_training_unchanged(run):
+    out = run.scenario("checkpointing_compile_offload")[0]
+    assert_rel_close(out["fancy"], out["plain"], rel=1e-6, what="losses")
+    for k, v in out["plain_params"].items():
+        assert_rel_close(out["fancy_params"][k], v, rel=1e-6, what=k)
+    # cpu_offload on a CPU-only run is a no-op, and says so
+    assert out["warnings"] and "no effect on a CPU-only run" in out["warnings"][0]
+
+
+@pytest.mark.timeout(480)
+def test_clip_grad_norm_handles_sharded_and_plain_gradients_together(run):
+    for r in run.scenario("clip_mixed_dtensor"):
+        assert "mixed torch.Tensor and DTensor" in r["torch_error"]  # what torch's clip_grad_norm_ does
+        expected_total = torch.linalg.vector_norm(torch.stack([g.norm() for g in r["grads"]]))
+        assert_rel_close(r["total"], expected_total, what="total norm")
+        coef = min(1.0, 1.0 / (expected_total.item() + 1e-6))
+        for got, g in zip(r["clipped"], r["grads"]):
+            assert_rel_close(got, g * coef, what="clipped gradient")
+
+
+@pytest.mark.timeout(300)
+def test_lightning_launcher_string_names_and_repeated_trainers(tmp_path):
+    res = launch(
+        "tests.scenarios.fsdp:lightning_launcher", WORLD, tmp_path, launcher="lightning", timeout=240
+    )
+    out = res.scenario("lightning_launcher")
+    # the plan is logged on rank 0: classes, number of blocks, parameters per block, bytes per rank
+    assert "fsdp_blocks: FSDP2 plan (auto block discovery): block classes GPTBlock" in res.output
+    assert "2 x GPTBlock (12,704 params each)" in res.output and "per rank (fsdp" in res.output
+    assert [r["first"]["rank"] for r in out] == [0, 1]
+    assert all(r["first"]["world"] == WORLD for r in out)
+    for r in out:
+        assert len(r["first"]["losses"]) == 2 and len(r["first"]["val"]) == 2
+        # same model, data and order under hsdp as under fsdp_blocks: the same first two losses
+        assert r["second_strategy"] == "HybridShardStrategy"
+        assert_rel_close(torch.tensor(r["second_losses"]), torch.tensor(r["first"]["losses"]), rel=1e-6)
+        # hsdp on one node has a single replica: the same (data_parallel, tensor_parallel) mesh, reused
+        assert r["same_mesh"] is True

@@ -1,0 +1,104 @@
+"""Bad input to fsdp_blocks / hsdp fails in this process with a message naming the value and the fix,
+before any process is launched or any process group exists."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import lit_parallel as lp
+from lit_parallel.parallel import NoBlocksFoundError
+from tests.scenarios import fsdp as sc
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    # Lightning's launcher writes MASTER_PORT, LOCAL_RANK, ... into os.environ; keep other tests clean.
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    assert not dist.is_initialized()
+
+
+def _trainer(strategy, devices=4, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, **kwargs)
+
+
+def test_shard_size_not_dividing_the_world_size_fails_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match="shard_size=3 does not divide world size 4; choose 1, 2 or 4"):
+        _trainer(lp.HybridShardStrategy(shard_size=3))
+    with pytest.raises(
+        ValueError, match=r"shard_size=0 must be 'auto' \(devices per node\) or a positive integer"
+    ):
+        lp.HybridShardStrategy(shard_size=0)
+
+
+def test_block_types_naming_no_module_fails_before_any_process_group():
+    trainer = _trainer(lp.TransformerFSDPStrategy(block_types={nn.GRU}), devices=1, max_steps=1)
+    with pytest.raises(NoBlocksFoundError, match=r"block_types=\{GRU\} names no module in LitModel"):
+        trainer.fit(sc.LitModel(), sc.loader(sc.lm_dataset()))
+    assert not dist.is_initialized()
+
+
+def test_model_without_blocks_fails_before_any_process_group():
+    class Plain(sc.LitModel):
+        def __init__(self):
+            super().__init__(build=False)
+            self.model = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64))
+
+    trainer = _trainer("fsdp_blocks", devices=1, max_steps=1)
+    with pytest.raises(NoBlocksFoundError, match="block_types='auto' found no transformer blocks in Plain"):
+        trainer.fit(Plain(), sc.loader(sc.lm_dataset()))
+    assert not dist.is_initialized()
+
+
+def test_policy_with_bf16_true_is_conflicting_precision():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=r"conflicting precision.*precision='bf16-true'.*Fix: use Trainer\(precision='32-true'\)",
+    ):
+        _trainer(lp.TransformerFSDPStrategy(mixed_precision=policy), precision="bf16-true")
+
+
+def test_policy_disagreeing_with_bf16_mixed_is_conflicting_precision():
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16)
+    with pytest.raises(ValueError, match="conflicting precision.*param_dtype=torch.float16"):
+        _trainer(lp.HybridShardStrategy(mixed_precision=policy), precision="bf16-mixed")
+    # agreeing is fine: the policy casts, autocast stays off
+    agreeing = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    trainer = _trainer(lp.TransformerFSDPStrategy(mixed_precision=agreeing), precision="bf16-mixed")
+    assert trainer.precision == "bf16-mixed"
+
+
+def test_unsupported_precision_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="precision='64-true'.*choose precision= one of 32-true, bf16-mixed"):
+        _trainer("fsdp_blocks", precision="64-true")
+
+
+def test_bad_options_are_refused_by_the_constructor():
+    with pytest.raises(ValueError, match="reshard_after_forward='yes' must be True"):
+        lp.TransformerFSDPStrategy(reshard_after_forward="yes")
+    with pytest.raises(ValueError, match="compile=3 must be True, False or a dict"):
+        lp.TransformerFSDPStrategy(compile=3)
+    with pytest.raises(
+        ValueError, match="mixed_precision='bf16' must be a torch.distributed.fsdp.MixedPrecisionPolicy"
+    ):
+        lp.TransformerFSDPStrategy(mixed_precision="bf16")
+
+
+def test_missing_pretrained_file_fails_when_the_trainer_is_built(tmp_path):
+    with pytest.raises(FileNotFoundError, match="init_from=.*is not a file"):
+        _trainer(lp.TransformerFSDPStrategy(init_from=tmp_path / "missing.pt"))
+
+
+def test_strategies_are_registered_under_their_names():
+    assert isinstance(_trainer("fsdp_blocks", devices=2).strategy, lp.TransformerFSDPStrategy)
+    assert isinstance(_trainer("hsdp", devices=2).strategy, lp.HybridShardStrategy)

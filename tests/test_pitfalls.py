@@ -1,0 +1,135 @@
+"""PitfallReport: each detector fires on a run built to show its pitfall and stays silent on a healthy run."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from lit_parallel.callbacks import learning_rate_rule, per_rank_seed, scaled_learning_rate
+from lit_parallel.callbacks.pitfalls import Finding, PitfallReport, format_table
+from tests.harness import launch
+
+SCENARIOS = ["healthy", "faulty_model_and_data", "faulty_communication", "faulty_straggler"]
+CHECKS = [
+    "parameter/buffer divergence",
+    "learning-rate scaling",
+    "data loading",
+    "exposed communication",
+    "stragglers",
+    "throughput",
+    "random augmentation",
+]
+
+
+# ------------------------------------------------------------------------------ helpers, no ranks
+def test_scaled_learning_rate_linear_and_square_root_rules():
+    assert scaled_learning_rate(0.1, 256, 8 * 512) == pytest.approx(1.6)  # Goyal et al.: 0.1 per 256
+    assert scaled_learning_rate(1e-3, 256, 1024, rule="sqrt") == pytest.approx(2e-3)
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    assert scaled_learning_rate(1e-3, 64, 256, rule=adam) == pytest.approx(2e-3)
+    assert scaled_learning_rate(0.1, 64, 256, rule=torch.optim.SGD) == pytest.approx(0.4)
+
+
+def test_learning_rate_rule_by_optimizer_family():
+    assert learning_rate_rule(torch.optim.SGD) == "linear"
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad):
+        assert learning_rate_rule(cls) == "sqrt", cls
+
+
+def test_scaled_learning_rate_rejects_bad_values():
+    with pytest.raises(ValueError, match="base_batch_size=0 and global_batch_size=8 must be positive"):
+        scaled_learning_rate(0.1, 0, 8)
+    with pytest.raises(ValueError, match="rule must be 'linear', 'sqrt' or an optimizer"):
+        scaled_learning_rate(0.1, 8, 8, rule="cubic")
+
+
+def test_per_rank_seed_adds_the_rank(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    assert per_rank_seed(42) == 45
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert per_rank_seed(42) == 42
+
+
+def test_pitfall_report_rejects_half_declared_base():
+    with pytest.raises(ValueError, match="give both"):
+        PitfallReport(base_lr=0.1)
+    with pytest.raises(ValueError, match="mode must be 'warn'"):
+        PitfallReport(mode="loud")
+
+
+def test_table_lists_every_check_and_the_fix_of_problems():
+    findings = [
+        Finding("data loading", "problem", "rank 0 waits 80%.", "more workers"),
+        Finding("x", "ok", "fine"),
+    ]
+    table = format_table(findings, epoch=2, ranks=4, steps=10)
+    assert "epoch 2, 4 data-parallel ranks" in table
+    assert "PROBLEM" in table and "fix: more workers" in table and "fine" in table
+
+
+# ------------------------------------------------------------------------------------ 2 gloo ranks
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return launch(
+        [f"tests.scenarios.callbacks_pitfalls:{n}" for n in SCENARIOS],
+        2,
+        tmp_path_factory.mktemp("pitfalls"),
+        timeout=280,
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_healthy_run_is_silent(run):
+    for out in run.scenario("healthy"):
+        # mode="raise": any problem would have stopped the run on every rank
+        assert out["raised"] is None, out["table"]
+        assert out["status"] == {c: "info" if c == "throughput" else "ok" for c in CHECKS}, out["table"]
+    table = run.scenario("healthy")[0]["table"]
+    assert all(check in table for check in CHECKS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_divergence_lr_data_and_augmentation_detectors_fire(run):
+    rank0, rank1 = run.scenario("faulty_model_and_data")
+    for check in (
+        "parameter/buffer divergence",
+        "learning-rate scaling",
+        "data loading",
+        "random augmentation",
+    ):
+        assert rank0["status"][check] == rank1["status"][check] == "problem", rank0["table"]
+    # mode="raise": every rank stops with the same message, naming each problem
+    assert rank0["raised"] is not None and rank0["raised"] == rank1["raised"]
+    evidence = rank0["evidence"]
+    assert "input_mean" in evidence["parameter/buffer divergence"]
+    assert "linear rule gives 0.1 (actual/expected = 0.50)" in evidence["learning-rate scaling"]
+    assert "start the epoch with the same random state" in evidence["random augmentation"]
+    shares = [int(s) for s in re.findall(r"rank \d+ (\d+)%", evidence["data loading"])]
+    assert len(shares) == 2 and min(shares) > 30, evidence["data loading"]
+    assert "lit_parallel.scaled_learning_rate(0.05, 512, 1024, rule='linear') = 0.1" in rank0["raised"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_exposed_communication_detector_fires(run):
+    rank0, rank1 = run.scenario("faulty_communication")
+    assert rank0["status"]["exposed communication"] == "problem", rank0["table"]
+    assert any("exposed communication" in w for w in rank0["warnings"])
+    assert rank1["warnings"] == []  # rank 0 warns
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_straggler_detector_names_the_slow_rank(run):
+    rank0, _ = run.scenario("faulty_straggler")
+    assert rank0["status"]["stragglers"] == "problem", rank0["table"]
+    assert "rank 1 is" in rank0["evidence"]["stragglers"]
+    # the fast rank's wait for the straggler is not reported as a communication problem
+    assert rank0["status"]["exposed communication"] == "ok", rank0["table"]
+    assert math.isfinite(float(rank0["evidence"]["throughput"].split("total ")[1].rstrip(".")))

@@ -1,0 +1,245 @@
+"""Tensor-parallel plans without any process group: inference, checks, errors, strategy configuration."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import lit_parallel as lp
+from lit_parallel.parallel import TPPlanError, check_tp_plan, infer_tp_plan
+from lit_parallel.parallel.tensor_parallel import _fused_permutation
+from tests.models import GPT, Llama, LlamaConfig
+from tests.tp_models import TPGPT, FlatLlama
+
+COL, ROW, FUSED, REP = "colwise", "rowwise", "colwise (fused)", "replicated"
+
+
+def styles(plan) -> dict[str, str]:
+    return {layer.path: layer.style for layer in plan.layers}
+
+
+def _fail(model):
+    raise RuntimeError("no input for this model")
+
+
+# --- what the plan splits -------------------------------------------------------------------------------
+
+
+def test_llama_block_attention_inputs_column_outputs_row_with_head_counts_halved():
+    plan = infer_tp_plan(Llama(), 2)
+    assert plan.how == "traced"
+    expected = {}
+    for i in range(2):
+        a, f = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+        expected |= {f"{a}.wq": COL, f"{a}.wk": COL, f"{a}.wv": COL, f"{a}.wo": ROW}
+        expected |= {f"{f}.w1": COL, f"{f}.w3": COL, f"{f}.w2": ROW}
+    assert styles(plan) == expected
+    assert sorted(plan.head_attributes) == sorted(
+        [
+            (f"layers.{i}.attention", a, n, n // 2)
+            for i in range(2)
+            for a, n in (("n_heads", 4), ("n_kv_heads", 2))
+        ]
+    )
+    assert plan.replicated == []
+
+
+def test_fused_qkv_is_split_chunk_by_chunk():
+    plan = infer_tp_plan(TPGPT(), 2)
+    s = styles(plan)
+    for i in range(2):
+        assert s[f"h.{i}.attn.c_attn"] == FUSED and s[f"h.{i}.attn.c_proj"] == ROW
+        assert s[f"h.{i}.mlp.c_fc"] == COL and s[f"h.{i}.mlp.c_proj"] == ROW
+        assert plan.fused[f"h.{i}.attn.c_attn"] == [32, 32, 32]
+    assert ("h.0.attn", "n_head", 4, 2) in plan.head_attributes
+    # the same fused layer seen through view(b, t, 3, heads, head_dim) instead of chunk(3)
+    from tests.scenarios.tp import bench_model
+
+    plan = infer_tp_plan(bench_model(), 2)
+    assert styles(plan)["blocks.0.attn.qkv"] == FUSED and plan.fused["blocks.0.attn.qkv"] == [32, 32, 32]
+    assert ("blocks.0.attn", "heads", 4, 2) in plan.head_attributes
+    # rank r's contiguous half holds rows r*2..r*2+1 of each chunk of 4 (worked out by hand)
+    assert _fused_permutation([4, 4, 4], 2).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "structural"])
+def test_linears_named_l1_to_l7_get_the_same_plan_as_conventional_names(traced):
+    kwargs = {} if traced else {"example_inputs": _fail}
+    conventional = infer_tp_plan(Llama(), 2, **kwargs)
+    anonymous = infer_tp_plan(FlatLlama(), 2, **kwargs)
+    assert conventional.how == anonymous.how == ("traced" if traced else "structural")
+    rename = {"attention.wq": "l1", "attention.wk": "l2", "attention.wv": "l3", "attention.wo": "l4"}
+    rename |= {"feed_forward.w1": "l5", "feed_forward.w3": "l6", "feed_forward.w2": "l7"}
+    translated = {}
+    for path, style in styles(conventional).items():
+        prefix, _, rest = path.partition(".")
+        index, _, tail = rest.partition(".")
+        translated[f"{prefix}.{index}.{rename[tail]}"] = style
+    assert styles(anonymous) == translated
+
+
+def test_meta_device_model_is_planned_without_computing():
+    with torch.device("meta"):
+        model = Llama()
+    assert styles(infer_tp_plan(model, 2)) == styles(infer_tp_plan(Llama(), 2))
+
+
+def test_sequence_and_loss_parallel_add_norms_and_the_head():
+    plan = infer_tp_plan(Llama(), 2, sequence_parallel=True, loss_parallel=True)
+    s = styles(plan)
+    assert s["layers.0.attention_norm"] == s["layers.1.ffn_norm"] == "sequence parallel"
+    assert s["output"] == "colwise (loss parallel)"
+    assert "norm" not in s  # the final norm runs after the stream is gathered
+
+
+class _GatedBlock(nn.Module):
+    """An MLP block plus a scalar gate read from the stream: the gate cannot be split."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.gate = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + torch.sigmoid(self.gate(h)) * self.down(F.gelu(self.up(h)))
+
+
+class _PostNormBlock(_GatedBlock):
+    def forward(self, x):
+        return self.norm(x + self.down(F.gelu(self.up(x))))
+
+
+class _Stack(nn.Module):
+    def __init__(self, block_cls, n=2, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(32, d)
+        self.blocks = nn.ModuleList(block_cls(d) for _ in range(n))
+        self.head = nn.Linear(d, 32)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_layers_that_cannot_be_split_stay_replicated_with_the_reason():
+    plan = infer_tp_plan(_Stack(_GatedBlock), 2)
+    s = styles(plan)
+    assert s["blocks.0.up"] == COL and s["blocks.0.down"] == ROW
+    gate = next(layer for layer in plan.layers if layer.path == "blocks.0.gate")
+    assert gate.style == REP and "does not feed a single row-parallel layer" in gate.reason
+    assert "blocks.0.gate: replicated" in plan.describe()
+
+
+# --- refusals -------------------------------------------------------------------------------------------
+
+
+def test_heads_not_divisible_by_tensor_parallel_size_name_module_and_numbers():
+    with pytest.raises(TPPlanError) as err:
+        infer_tp_plan(Llama(), 4)  # 2 KV heads
+    text = str(err.value)
+    assert "layers.0.attention.wk: heads = 2 is not divisible by 4" in text
+    assert "Choose tensor_parallel_size from 1 or 2" in text
+    with pytest.raises(TPPlanError, match=r"wq: heads = 4 is not divisible by 3"):
+        infer_tp_plan(Llama(LlamaConfig(n_kv_heads=4)), 3)
+
+
+def test_model_that_splits_by_the_full_width_is_refused_with_the_fix():
+    # tests.models.GPT: q, k, v = c_attn(x).split(c) with c = x.shape[-1], impossible per rank
+    with pytest.raises(TPPlanError) as err:
+        infer_tp_plan(GPT(), 2)
+    text = str(err.value)
+    assert "h.0 (GPTBlock) does not run when each rank holds 1/2 of its heads" in text
+    assert ".chunk(3, dim=-1)" in text
+
+
+def test_sequence_parallel_refuses_post_norm_blocks():
+    with pytest.raises(TPPlanError, match=r"blocks.0.up reads the residual stream without a norm"):
+        infer_tp_plan(_Stack(_PostNormBlock), 2, sequence_parallel=True)
+    infer_tp_plan(_Stack(_PostNormBlock), 2)  # fine without sequence parallelism
+
+
+def test_sequence_parallel_needs_the_data_flow():
+    with pytest.raises(TPPlanError, match="sequence_parallel=True needs the data flow"):
+        infer_tp_plan(Llama(), 2, sequence_parallel=True, example_inputs=_fail)
+
+
+def test_plan_naming_a_missing_module_suggests_the_close_name():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(TPPlanError) as err:
+        check_tp_plan(Llama(), {"layers.0.attention.wqq": ColwiseParallel()})
+    assert (
+        "'layers.0.attention.wqq', which is not a module of Llama; did you mean 'layers.0.attention.wq'"
+        in str(err.value)
+    )
+    check_tp_plan(Llama(), {"layers.*.attention.wq": ColwiseParallel()})  # wildcards are fine
+
+
+# --- the strategy, before any process exists ------------------------------------------------------------
+
+
+def _trainer(devices, strategy, num_nodes=1, **kwargs):
+    return L.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False, **kwargs
+    )
+
+
+def test_registered_as_tp_dp_with_auto_sizes_devices_per_node_by_nodes():
+    t = _trainer(4, "tp_dp", num_nodes=2)
+    assert isinstance(t.strategy, lp.TensorParallelStrategy)
+    dims = t.strategy.parallel_dims
+    assert (dims.data_parallel, dims.tensor_parallel) == (2, 4)
+    dims = _trainer(4, lp.TensorParallelStrategy(tensor_parallel_size=2)).strategy.parallel_dims
+    assert (dims.data_parallel, dims.tensor_parallel) == (2, 2)
+    dims = _trainer(4, lp.TensorParallelStrategy(data_parallel_size=4, data_parallel_replicate_size=2), 2)
+    dims = dims.strategy.parallel_dims
+    assert dims.shape == (2, 2, 2)
+
+
+def test_sizes_that_do_not_multiply_to_the_world_size_show_the_arithmetic():
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size\(3\) \* data_parallel_replicate_size\(1\) = 3 does"
+    ):
+        _trainer(4, lp.TensorParallelStrategy(tensor_parallel_size=3))
+    with pytest.raises(
+        ValueError, match=r"data_parallel_shard\(2\) \* tensor_parallel\(4\) = 8 != world size \(4\)"
+    ):
+        _trainer(4, lp.TensorParallelStrategy(data_parallel_size=2, tensor_parallel_size=4))
+    with pytest.raises(
+        ValueError, match=r"data_parallel_replicate_size=3 does not divide data_parallel_size=4"
+    ):
+        _trainer(4, lp.TensorParallelStrategy(data_parallel_size=4, data_parallel_replicate_size=3), 2)
+    with pytest.raises(ValueError, match="plan='nope' must be 'auto'"):
+        lp.TensorParallelStrategy(plan="nope")
+    with pytest.raises(ValueError, match="sequence_parallel=True applies to plan='auto'"):
+        lp.TensorParallelStrategy(plan={}, sequence_parallel=True)
+
+
+class _Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = Llama()
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_bad_plan_fails_in_fit_before_any_process_group():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    t = _trainer(1, lp.TensorParallelStrategy(plan={"model.layers.0.attn.wq": ColwiseParallel()}))
+    with pytest.raises(TPPlanError, match="did you mean 'model.layers.0.attention.wq'"):
+        t.fit(_Lit(), [torch.zeros(1, 8, dtype=torch.long)])
+    assert not dist.is_initialized()
