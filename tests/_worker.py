@@ -7,6 +7,7 @@ other ranks with ``LOCAL_RANK`` set).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -60,6 +61,10 @@ def main() -> None:
     rank = _rank()
     torch.save(results, outdir / f"rank{rank}.pt")
     if torchrun and dist.is_initialized():
+        # drop the scenarios' DDP/FSDP objects before their process group goes: destroying it under live
+        # wrappers occasionally aborts at exit ("terminate called without an active exception")
+        results.clear()
+        gc.collect()
         dist.destroy_process_group()
 
 

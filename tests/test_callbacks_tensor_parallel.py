@@ -1,4 +1,8 @@
-"""Callbacks under a 2 x 2 (data_parallel x tensor_parallel) mesh: tensor-parallel peers count once."""
+"""Callbacks under a 2 x 2 (data_parallel x tensor_parallel) mesh: tensor-parallel peers count once.
+
+Lightning's ModelParallelStrategy and our tp_dp (TensorParallelStrategy) both give each
+tensor-parallel peer the same data-parallel shard.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ def run(tmp_path_factory):
 
 
 @pytest.mark.timeout(420)
-def test_metrics_count_each_sample_once_under_tensor_parallelism(run):
+@pytest.mark.parametrize("strategy", ["model_parallel", "tp_dp"])
+def test_metrics_count_each_sample_once_under_tensor_parallelism(run, strategy):
     expected = single_process_values(N)
     for rank, out in enumerate(run.scenario("tensor_parallel_metrics")):
-        runs = out[2]
+        runs = out[strategy][2]
         for name, prefix in (("fit", "val"), ("validate", "val"), ("test", "test")):
             got = runs[name]
             assert got[f"{prefix}_count"] == got[f"{prefix}_count_metric"] == N, (rank, name, got)

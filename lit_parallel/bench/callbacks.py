@@ -8,7 +8,11 @@ same data, and validates it with a torchmetrics accuracy each epoch. Three costs
 - per epoch: the time the variant's callbacks spend in ``on_train_epoch_end`` (the gathered checks),
   measured between a timer callback placed before them and one placed after them, also shown as a
   share of the epoch's training time;
-- per validation step: median interval between validation batches, as a ratio.
+- per validation step: median interval between validation batches, as a ratio;
+- time inside the callbacks' own hooks per training step and per validation step (each hook of the
+  measured callbacks is timed): a direct figure, much less noisy than differences of step times on a
+  busy machine. The per-step hooks are ``on_train_batch_start/end``, ``on_before/after_backward`` and
+  the validation batch hooks; epoch hooks are in the epoch-end column.
 
 Repeats rotate the order of the variants, so drift on a busy machine hits all of them alike; ratios
 are taken within each repeat, then the median over repeats is shown. SyncBatchNormConversion is
@@ -99,9 +103,12 @@ def print_report(result: dict[str, Any]) -> None:
         "callbacks",
         "train step (ms)",
         "step overhead",
+        "hooks/step (us)",
+        "hooks share",
         "epoch-end (ms)",
         "epoch-end share",
         "val step overhead",
+        "val hooks/step (us)",
     ):
         table.add_column(col, justify="left" if col == "callbacks" else "right")
     for name in VARIANTS:
@@ -111,11 +118,14 @@ def print_report(result: dict[str, Any]) -> None:
             label,
             f"{v['train_step_s'] * 1e3:.2f}",
             f"{(v['train_step_ratio'] - 1) * 100:+.1f}%",
+            f"{v['hook_s_per_step'] * 1e6:.0f}",
+            f"{v['hook_s_per_step'] / base['train_step_s'] * 100:.2f}%",
             f"{v['epoch_end_s'] * 1e3:.2f}",
             f"{v['epoch_end_share'] * 100:.2f}%",
             f"{(v['val_step_ratio'] - 1) * 100:+.1f}%",
+            f"{v['val_hook_s_per_step'] * 1e6:.0f}",
         )
-    Console().print(table)
+    Console(width=170).print(table)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -133,7 +143,7 @@ def _worker(args: argparse.Namespace) -> int:
     world = dist.get_world_size()
     n_train = world * args.batch_size * args.steps
     # a validation set that does not divide the world size, so CrossRankMetrics has padding to remove
-    n_val = world * args.batch_size * 4 - 1
+    n_val = world * args.batch_size * 8 - 1
     g = torch.Generator().manual_seed(0)
     train = torch.utils.data.TensorDataset(
         torch.randn(n_train, args.width, generator=g), torch.randint(0, 10, (n_train,), generator=g)
@@ -154,6 +164,8 @@ def _worker(args: argparse.Namespace) -> int:
                 "train_step_s": statistics.median(r["train_step_s"] for r in runs),
                 "val_step_s": statistics.median(r["val_step_s"] for r in runs),
                 "epoch_end_s": statistics.median(r["epoch_end_s"] for r in runs),
+                "hook_s_per_step": statistics.median(r["hook_s_per_step"] for r in runs),
+                "val_hook_s_per_step": statistics.median(r["val_hook_s_per_step"] for r in runs),
                 "epoch_end_share": statistics.median(r["epoch_end_s"] / r["epoch_train_s"] for r in runs),
                 "train_step_ratio": statistics.median(
                     r["train_step_s"] / b["train_step_s"] for r, b in zip(runs, raw["none"])
@@ -281,6 +293,26 @@ class _Timer:
         return before, After(before)
 
 
+_TRAIN_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward")
+_VAL_STEP_HOOKS = ("on_validation_batch_start", "on_validation_batch_end")
+
+
+def _time_hooks(callback: Any, totals: dict[str, float]) -> None:
+    """Accumulate the time spent in ``callback``'s per-step hooks (instance attributes shadow methods)."""
+    for names, key in ((_TRAIN_STEP_HOOKS, "train"), (_VAL_STEP_HOOKS, "val")):
+        for name in names:
+            method = getattr(callback, name)
+
+            def timed(*a: Any, _method: Any = method, _key: str = key, **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return _method(*a, **k)
+                finally:
+                    totals[_key] += time.perf_counter() - t
+
+            setattr(callback, name, timed)
+
+
 def _one_run(args: argparse.Namespace, variant: str, train: Any, val: Any, use_gpu: bool) -> dict[str, float]:
     import lightning as L
     import torch.distributed as dist
@@ -296,6 +328,9 @@ def _one_run(args: argparse.Namespace, variant: str, train: Any, val: Any, use_g
         "all_three": [lp.SetEpochCheck(), lp.CrossRankMetrics(), lp.PitfallReport(print_table=False)],
         "SyncBatchNormConversion": [lp.SyncBatchNormConversion()],
     }[variant]
+    hook_time = {"train": 0.0, "val": 0.0}
+    for callback in measured:
+        _time_hooks(callback, hook_time)
     before, after = _Timer(use_gpu, args.warmup)
     trainer = L.Trainer(
         accelerator="gpu" if use_gpu else "cpu",
@@ -314,7 +349,11 @@ def _one_run(args: argparse.Namespace, variant: str, train: Any, val: Any, use_g
         DataLoader(train, batch_size=args.batch_size, shuffle=True),
         DataLoader(val, batch_size=args.batch_size),
     )
+    train_steps = args.epochs * args.steps
+    val_steps = max(1, args.epochs * len(val) // (args.batch_size * dist.get_world_size()))
     return {
+        "hook_s_per_step": hook_time["train"] / train_steps,
+        "val_hook_s_per_step": hook_time["val"] / val_steps,
         "train_step_s": statistics.median(before.train),
         "val_step_s": statistics.median(before.val) if before.val else float("nan"),
         "epoch_end_s": statistics.median(after.epoch_end),

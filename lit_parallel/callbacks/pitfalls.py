@@ -296,9 +296,11 @@ class PitfallReport(Callback):
         if ddp is None:
             return
         if self._ddp_seen is None or self._ddp_seen() is not ddp:
-            # DDP samples its timings at a few early iterations, then every 100th; ask for every one.
+            # DDP samples its timings at a few early iterations, then every 100th: ask for every one on
+            # CPU, every 10th on GPUs (reading CUDA timers waits for the previous backward's events).
             # A weak reference: the DDP wrapper (and its reducer) must die with the strategy's teardown.
-            ddp._set_ddp_runtime_logging_sample_rate(1)
+            on_cpu = all(p.device.type == "cpu" for p in ddp.parameters())
+            ddp._set_ddp_runtime_logging_sample_rate(1 if on_cpu else 10)
             self._ddp_seen = weakref.ref(ddp)
         data = ddp._get_ddp_logging_data()
         iteration = data.get("iteration")
@@ -476,7 +478,7 @@ class PitfallReport(Callback):
             return Finding(
                 check,
                 "problem",
-                f"{text} (rank {worst_rank} above {self.data_wait_limit:.0%}): the GPUs wait for the input pipeline.",
+                f"{text} (rank {worst_rank} above {self.data_wait_limit:.0%}): the devices wait for the input pipeline.",
                 "raise DataLoader(num_workers=...) (with persistent_workers=True, pin_memory=True), move"
                 " decoding/augmentation off the training process, or cache preprocessed data.",
             )

@@ -30,7 +30,7 @@ class FixedClassifier(L.LightningModule):
 
     def __init__(self, gather: bool = False):
         super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.scale = torch.nn.Parameter(torch.ones(1))  # 1-D: FSDP2 cannot shard a scalar
         self.acc = MulticlassAccuracy(num_classes=CLASSES, average="micro")
         self.count = SumMetric()
         self.mean_loss = MeanMetric()
@@ -100,16 +100,58 @@ def exact_metrics(ctx) -> dict:
     return {batch: _exact_metrics(ctx, ctx.args["n"], batch) for batch in ctx.args["batches"]}
 
 
+class IdentityBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(CLASSES, CLASSES)
+        with torch.no_grad():  # x @ I + 0 is x exactly: predictions stay those of the data
+            self.linear.weight.copy_(torch.eye(CLASSES))
+            self.linear.bias.zero_()
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class BlockClassifier(FixedClassifier):
+    """The fixed classifier with two identity blocks, for strategies that shard blocks (tp_dp)."""
+
+    def __init__(self, gather: bool = False):
+        super().__init__(gather)
+        self.blocks = torch.nn.ModuleList([IdentityBlock(), IdentityBlock()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x * self.scale
+
+
 def tensor_parallel_metrics(ctx) -> dict:
-    """As exact_metrics, under Lightning's ModelParallelStrategy with tensor_parallel_size=2."""
+    """As exact_metrics, with tensor_parallel_size=2: Lightning's ModelParallelStrategy and our tp_dp."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    def strategy():
-        return ModelParallelStrategy(data_parallel_size=ctx.world_size // 2, tensor_parallel_size=2)
+    from lit_parallel.strategies import TensorParallelStrategy
 
+    dp = ctx.world_size // 2
+    setups = {
+        "model_parallel": (
+            lambda: ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=2),
+            TensorParallelClassifier,
+        ),
+        # the plan function leaves the tiny blocks unsplit: the mesh and the data layout are what matter
+        "tp_dp": (
+            lambda: TensorParallelStrategy(
+                data_parallel_size=dp, tensor_parallel_size=2, plan=lambda module, mesh: None
+            ),
+            BlockClassifier,
+        ),
+    }
     return {
-        batch: _exact_metrics(ctx, ctx.args["n"], batch, strategy, TensorParallelClassifier)
-        for batch in ctx.args["batches"]
+        name: {
+            batch: _exact_metrics(ctx, ctx.args["n"], batch, strategy, module)
+            for batch in ctx.args["batches"]
+        }
+        for name, (strategy, module) in setups.items()
+        if name in ctx.args.get("strategies", setups)
     }
 
 
