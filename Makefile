@@ -6,15 +6,17 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench docs clean
 
 install: $(VENV)/.installed
 
+# extras: what `make test` runs needs scikit-learn (demo, digits), jsonargparse (recipes), mkdocs (docs build),
+# matplotlib (bench plots)
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[test,demo]"
+	$(BIN)/python -m pip install --quiet -e ".[test,demo,docs,recipes,bench]"
 	touch $@
 
 demo: install
@@ -32,7 +34,10 @@ test: lint
 	$(BIN)/python -m pytest tests
 
 bench: install
-	$(BIN)/lit-parallel bench ddp
+	$(BIN)/lit-parallel bench all --out bench-results
+
+docs: install
+	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site

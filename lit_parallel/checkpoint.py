@@ -46,6 +46,10 @@ class IncompleteCheckpointError(ValueError):
     """A checkpoint lacks a file or holds a truncated one (an interrupted save); the message names what."""
 
 
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's index refers to code; it is not loaded."""
+
+
 # --- loading without executing pickled code -------------------------------------------------------------
 
 
@@ -88,7 +92,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         obj = super().find_class(module, name)
         if obj in self._allowed or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             return obj
-        raise pickle.UnpicklingError(
+        raise UnsafeCheckpointError(
             f"{self._source} refers to {module}.{name}, which is not part of a torch.distributed.checkpoint"
             " index; refusing to load it (loading a checkpoint never executes pickled code)"
         )
@@ -200,6 +204,8 @@ def verify_checkpoint(path: str | Path, *, lightning: bool = True) -> str:
     else:
         try:
             metadata = read_dcp_metadata(path)
+        except UnsafeCheckpointError:
+            raise
         except (EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
             raise IncompleteCheckpointError(
                 f"sharded checkpoint {str(path)!r}: its {_METADATA} cannot be read ({err})"
@@ -236,7 +242,8 @@ def new_partial_path(destination: str | Path, token: str | None = None) -> Path:
     """Where a save to ``destination`` writes before it is complete: a hidden sibling whose name contains
     neither the destination's name nor its digits (Lightning numbers ``hpc_ckpt_N`` by listing the folder)."""
     token = token or uuid.uuid4().hex[:12]
-    return Path(destination).parent / f"{PARTIAL_PREFIX}{token}"
+    # the suffix gives torch.save's zip writer an archive name (it is the file name without its extension)
+    return Path(destination).parent / f"{PARTIAL_PREFIX}{token}.tmp"
 
 
 def check_replaceable(destination: str | Path) -> None:
@@ -416,9 +423,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="keep only keys with this prefix and remove it, e.g. 'model.' for the module stored as self.model",
     )
+    parser.add_argument(
+        "--lightning",
+        action="store_true",
+        help="write a full Lightning checkpoint (weights, optimizer state, loops, RNG states) to resume from with"
+        " ckpt_path= under ddp_tuned or on one device",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "lightning", False):
+        checkpoint = consolidate_checkpoint(args.checkpoint, args.output)
+        state = checkpoint["state_dict"]
+        print(
+            f"wrote {args.output}: a full Lightning checkpoint, {len(state)} tensors,"
+            f" {len(checkpoint['optimizer_states'])} optimizer state(s), epoch {checkpoint.get('epoch')},"
+            f" step {checkpoint.get('global_step')}"
+        )
+        return 0
     state = consolidate(args.checkpoint, args.output, key=args.key, strip_prefix=args.strip_prefix)
     numel = sum(v.numel() for v in state.values())
     nbytes = sum(v.numel() * v.element_size() for v in state.values())

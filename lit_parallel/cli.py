@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError, OSError) as err:  # a clear message, not a traceback
         print(f"lit-parallel {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -37,7 +37,9 @@ ModelParallelStrategy)``; ``hsdp`` and ``tp_dp`` inherit it) and adds:
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import gc
 import itertools
 import json
 import logging
@@ -116,8 +118,9 @@ class ReliabilityOptions:
             of hanging or exchanging wrong data. Costs one extra small all-gather per collective: turn it on to
             debug. ``"info"``: extra logging; ``"off"``: none.
         watchdog: under Lightning's own launcher, end every rank when one fails (see the module docstring).
-        preemption_signal: ``"auto"`` (default): SLURM's requeue signal when running under Lightning's
-            ``SLURMEnvironment`` with ``auto_requeue`` (``SIGUSR1``), otherwise off. A signal (``"SIGUSR1"``,
+        preemption_signal: ``"auto"`` (default): in a SLURM job (Lightning's ``SLURMEnvironment``, or torchrun
+            inside a SLURM allocation), SLURM's requeue signal (``SIGUSR1``, or the environment's
+            ``requeue_signal``; off when its ``auto_requeue`` is off); otherwise off. A signal (``"SIGUSR1"``,
             ``signal.SIGUSR2``, ...) turns preemption checkpoints on anywhere; ``None`` turns them off.
     """
 
@@ -174,7 +177,7 @@ class _Progress:
         self.stage = stage
 
     def describe(self) -> str:
-        if self.batch < 0:
+        if self.batch < 0 or "batch" in self.stage or "epoch" in self.stage:
             return self.stage
         return f"{self.stage} of training batch {self.batch} (epoch {self.epoch})"
 
@@ -208,7 +211,7 @@ def _main_thread_location() -> list[str]:
     return out
 
 
-_TIMEOUT = re.compile(r"timed out|timeout|Timeout|TIMEOUT")
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _MISMATCH = "Detected mismatch between collectives"
 _PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|recvBytes|failed to recv"
@@ -244,6 +247,17 @@ def _collective_in(tb: Any) -> str | None:
 
 
 def _first_line(exception: BaseException) -> str:
+    failures = getattr(exception, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            inner = (
+                failure[0] if isinstance(failure, tuple) and failure else failure
+            )  # (exception, traceback)
+            parts.append(
+                f"rank {rank}: {type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
+            )
+        return f"{type(exception).__name__} (torch.distributed.checkpoint failed on " + "; ".join(parts) + ")"
     text = str(exception).strip().splitlines()
     return f"{type(exception).__name__}: {text[0] if text else ''}"[:400]
 
@@ -309,8 +323,9 @@ class _Reporter:
             return _compose(mine, {}, {}, self.world_size, timeout, reachable=False)
         failures: dict[int, dict] = {self.rank: mine}
         statuses: dict[int, dict] = {}
-        if kind != "error":  # a collective problem: the other ranks' positions are the diagnosis
-            deadline = time.monotonic() + REPORT_WAIT_S
+        if kind != "error":  # the other ranks' positions are the diagnosis
+            # a lost connection usually means the peer timed out first: its record is there already
+            deadline = time.monotonic() + (REPORT_WAIT_S if kind != "peer_lost" else REPORT_WAIT_S / 4)
             while time.monotonic() < deadline:
                 for r in range(self.world_size):
                     if r in failures:
@@ -329,6 +344,17 @@ class _Reporter:
         return _compose(mine, failures, statuses, self.world_size, timeout, reachable=True)
 
 
+def _collective_name(record: dict) -> str:
+    if record.get("collective"):
+        return record["collective"]
+    stage = record.get("stage", "")
+    if stage == "backward":
+        return "a gradient reduction in backward (DDP all-reduce / FSDP reduce-scatter)"
+    if stage == "training_step":
+        return "a collective in training_step (e.g. DDP's buffer broadcast, FSDP's all-gather)"
+    return "a collective"
+
+
 def _compose(
     mine: dict,
     failures: dict[int, dict],
@@ -342,39 +368,38 @@ def _compose(
     kind = mine["kind"]
     if kind == "error":
         return lines[0]
-    collective = mine.get("collective") or (
-        "a gradient reduction during backward (DDP all-reduce / FSDP reduce-scatter)"
-        if mine["stage"] == "backward"
-        else "a collective"
-    )
     if kind == "timeout":
-        limit = f" after the strategy's timeout of {timeout.total_seconds():g} s" if timeout else ""
+        limit = f" (the strategy's timeout: {timeout.total_seconds():g} s)" if timeout else ""
         timed_out = sorted(r for r, f in failures.items() if f.get("kind") == "timeout")
-        lines.append(f"  {collective} timed out{limit} on rank(s) {_ranks(timed_out)}")
+        lines.append(f"  collectives timed out{limit} on rank(s) {_ranks(timed_out)}:")
+        for r in timed_out:
+            f = failures[r]
+            lines.append(f"    rank {r}: {_collective_name(f)}, during {f['where']}")
     elif kind == "mismatch":
         lines.append("  ranks called different collectives (debug_level='detail' caught it before they ran)")
     elif kind == "desync":
         lines.append("  this rank's previous backward did not finish its gradient reduction")
     elif kind == "peer_lost":
-        lines.append(f"  {collective} lost its connection to another rank (that rank exited or crashed)")
+        lines.append(
+            f"  {_collective_name(mine)} lost its connection to another rank (that rank exited, crashed, or"
+            " timed out and closed the connection)"
+        )
     for r in sorted(failures):
-        if r != rank:
-            f = failures[r]
+        f = failures[r]
+        if r != rank and not (kind == "timeout" and f.get("kind") == "timeout"):
             lines.append(f"  rank {r} failed too, in {f['where']}: {f['error']}")
     for r in sorted(statuses):
         s = statuses[r]
         where = "; ".join(s.get("location", [])) or "unknown"
-        lines.append(
-            f"  rank {r} is alive but did not get there: it is in {s['where']}; main thread at {where}"
-        )
+        lines.append(f"  rank {r} is alive and did not fail: it is in {s['where']}; main thread at {where}")
     missing = sorted(set(range(world_size)) - set(failures) - set(statuses))
     if missing:
         why = "did not answer (exited, or its store is unreachable)" if reachable else "could not be asked"
         lines.append(f"  rank(s) {_ranks(missing)} {why}")
-    hint = _divergence_hint({**statuses, **failures})
+    hint = _divergence_hint(failures, statuses)
     if hint:
         lines.append(f"  {hint}")
-    if kind in ("timeout", "desync"):
+    if kind in ("timeout", "desync", "peer_lost"):
         lines.append(
             "  A rank that never reaches a collective is stuck (data loading, a deadlock) or skipped it through"
             " rank-dependent code: a branch that skips backward through the model or the optimizer step on some"
@@ -388,29 +413,53 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks)) if ranks else "none"
 
 
-def _divergence_hint(positions: dict[int, dict]) -> str | None:
-    """Ranks at different training batches, or with different backward counts: name the laggard's batch."""
+def _stage_kind(stage: str) -> str:
+    return stage.split(" of training batch")[0].split(" (")[0]
+
+
+def _divergence_hint(failures: dict[int, dict], statuses: dict[int, dict]) -> str | None:
+    """Ranks at different points of training: say who is behind and what that suggests."""
+    # a rank that failed with an ordinary error is not waiting anywhere: its error says what happened
+    failures = {r: f for r, f in failures.items() if f.get("kind") != "error"}
+    positions = {**statuses, **failures}
     trained = {r: p for r, p in positions.items() if p.get("batch", -1) >= 0}
     if len(trained) < 2:
         return None
-    batches = {(p["epoch"], p["batch"]) for p in trained.values()}
-    backwards = {p["backward_calls"] for p in trained.values()}
-    if len(batches) == 1 and len(backwards) == 1:
-        return None
-    behind_key = min(batches)
-    behind = sorted(r for r, p in trained.items() if (p["epoch"], p["batch"]) == behind_key)
-    ahead = sorted(r for r in trained if r not in behind)
-    summary = ", ".join(
-        f"rank {r}: {p['where']}, {p['backward_calls']} backward call(s)" for r, p in sorted(trained.items())
+    summary = "; ".join(
+        f"rank {r}: {p['where']}, {p['backward_calls']} backward pass(es) done"
+        for r, p in sorted(trained.items())
     )
-    if not ahead:
-        return f"ranks ran backward a different number of times ({summary})"
-    return (
-        f"ranks are at different points ({summary}): rank(s) {_ranks(ahead)} went past training batch"
-        f" {behind_key[1]} (epoch {behind_key[0]}) without joining the collectives rank(s) {_ranks(behind)} wait"
-        " in; look for a rank-dependent branch on that batch (skipped backward through the model, skipped"
-        " optimizer step, a collective called on some ranks only)"
-    )
+    keys = {r: (p["epoch"], p["batch"]) for r, p in trained.items()}
+    behind_key = min(keys.values())
+    behind = sorted(r for r, k in keys.items() if k == behind_key)
+    ahead = sorted(r for r, k in keys.items() if k != behind_key)
+    waiting = [r for r in behind if r in failures]
+    if ahead and waiting:
+        return (
+            f"ranks are at different points ({summary}): rank(s) {_ranks(ahead)} went past training batch"
+            f" {behind_key[1]} (epoch {behind_key[0]}) without joining the collective rank(s) {_ranks(waiting)}"
+            " waited in; look for a rank-dependent branch on that batch (a loss not computed through the model,"
+            " a skipped optimizer step, a collective called on some ranks only)"
+        )
+    if ahead:
+        return (
+            f"ranks are at different points ({summary}): rank(s) {_ranks(behind)} have not reached training"
+            f" batch {max(keys.values())[1]} yet (see where their main thread is above)"
+        )
+    stages = {r: _stage_kind(p["stage"]) for r, p in trained.items()}
+    if len(set(stages.values())) > 1:
+        failed = {r: stages[r] for r in failures if r in stages}
+        if len(set(failed.values())) > 1:
+            where = ", ".join(f"rank {r} in {st}" for r, st in sorted(failed.items()))
+            return (
+                f"on training batch {behind_key[1]} the ranks waited in different collectives ({where}): a"
+                " collective called on some ranks only (self.log(..., sync_dist=True) or an all_gather in a"
+                " rank-dependent branch), or a rank that skipped a step"
+            )
+        return f"ranks are at different points of training batch {behind_key[1]} ({summary})"
+    if len({p["backward_calls"] for p in trained.values()}) > 1:
+        return f"ranks ran backward a different number of times ({summary}): a rank skipped backward"
+    return None
 
 
 # --- Lightning's launcher: watchdog -----------------------------------------------------------------------
@@ -554,11 +603,19 @@ class _WatchedSubprocessScriptLauncher(_SubprocessScriptLauncher):
 
 _OWNED_GROUPS: list[Any] = []
 _RUNS = itertools.count()
+# After a failed run destroyed its process group: the key-value store it rendezvoused on. torch keeps a
+# store server per port alive in the process, with the old group's keys, so a new group on the same
+# MASTER_PORT must use fresh keys (a new prefix) to rendezvous.
+_RETRY: dict[str, Any] = {"store": None, "count": 0}
 
 
 def _destroy_owned_group_at_exit() -> None:
+    # Left to the interpreter's shutdown, gloo/NCCL objects are torn down in no particular order and a run
+    # that succeeded sometimes aborts ("terminate called without an active exception"). Collect the dead
+    # DDP/FSDP objects first, then destroy the group while Python is still fully alive.
     if _OWNED_GROUPS and dist.is_initialized():
         if dist.distributed_c10d._get_default_group() is _OWNED_GROUPS[-1]:
+            gc.collect()
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
     _OWNED_GROUPS.clear()
@@ -622,22 +679,39 @@ _MID_EPOCH_FIX = (
 
 
 class _ReliabilityCallback(Callback):
-    """Hooks the strategy needs from the training loop (strategies get no ``on_train_batch_end``)."""
+    """Hooks the strategy needs from the training loop (strategies get no ``on_train_batch_end``). One per
+    Trainer; it finds the strategy through the Trainer."""
 
-    def __init__(self, strategy: ReliabilityMixin) -> None:
-        self.strategy = strategy
+    @staticmethod
+    def _strategy(trainer) -> ReliabilityMixin | None:
+        return trainer.strategy if isinstance(trainer.strategy, ReliabilityMixin) else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        s = self.strategy
-        s._progress.at(f"after training batch {batch_idx}: callbacks, loading the next batch")
+        s = self._strategy(trainer)
+        if s is None:
+            return
+        s._progress.at(
+            f"after training batch {batch_idx} (epoch {trainer.current_epoch}): callbacks, loading the next batch"
+        )
         if s._preemption is not None and not trainer.fit_loop.epoch_loop._should_accumulate():
             s._check_preemption(trainer)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
-        self.strategy._progress.at(f"validation batch {batch_idx}")
+        s = self._strategy(trainer)
+        if s is not None:
+            s._progress.at(f"validation batch {batch_idx}")
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self.strategy._progress.at(f"end of epoch {trainer.current_epoch}")
+        s = self._strategy(trainer)
+        if s is not None:
+            s._progress.at(f"end of epoch {trainer.current_epoch}")
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        # Lightning's signal connector puts back the handlers it found (ours) after the strategy's teardown
+        s = self._strategy(trainer)
+        if s is not None and s._retired_preemption is not None:
+            s._retired_preemption.uninstall()
+            s._retired_preemption = None
 
 
 class _Preemption:
@@ -645,21 +719,30 @@ class _Preemption:
         self.signum = signum
         self.slurm = slurm
         self.requested = False
+        self.retired = False
         self._previous: Any = None
-        self._installed = False
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self._previous = signal.signal(self.signum, self._handler)
-        self._installed = True
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._handler)
 
     def uninstall(self) -> None:
-        if self._installed and threading.current_thread() is threading.main_thread():
+        self.retired = True
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(self.signum) == self._handler
+        ):
             signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
-        self._installed = False
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.retired:  # left installed after its run: behave as the handler it replaced
+            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            signal.signal(self.signum, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+            return
         # Only a flag: saving here, at an arbitrary point of a step, would interleave collectives.
         self.requested = True
         if callable(self._previous):
@@ -689,10 +772,11 @@ class ReliabilityMixin:
         self._progress = _Progress()
         self._reporter: _Reporter | None = None
         self._preemption: _Preemption | None = None
-        self._callback: _ReliabilityCallback | None = None
+        self._retired_preemption: _Preemption | None = None
         self._rng_at_resume: dict | None = None  # applied when Lightning's restore ends
         self._rng_restored: dict | None = None  # kept for a mid-epoch resume
         self._rng_at_first_batch: dict | None = None
+        self._previous_debug_level: Any = None
 
     def _validate_before_launch(self, trainer: pl.Trainer | None, model: Any) -> None:
         """Configuration checks that need the Trainer or the model; run before Lightning's launcher starts
@@ -716,6 +800,7 @@ class ReliabilityMixin:
         level = self.reliability.debug_level
         existed = dist.is_available() and dist.is_initialized()
         if level is not None:
+            self._previous_debug_level = dist.get_debug_level()
             dist.set_debug_level(getattr(dist.DebugLevel, level.upper()))
             if existed and level == "detail" and rank_zero_only.rank == 0:
                 warnings.warn(
@@ -725,6 +810,32 @@ class ReliabilityMixin:
                     stacklevel=3,
                 )
         self._owns_process_group = not existed
+        if not existed:
+            self._init_process_group()
+
+    def _init_process_group(self) -> None:
+        """Create the process group before Lightning would (it then finds it), with two differences: the
+        rendezvous may take as long as torch's default allows (ranks start at different times; the strategy's
+        ``timeout`` is for collectives and is set on every group afterwards), and after a failed run in this
+        process it rendezvouses under fresh keys (see ``_RETRY``)."""
+        from lightning.fabric.utilities.distributed import _init_dist_connection
+
+        self.set_world_ranks()
+        backend = self._get_process_group_backend()
+        rendezvous = max(self._timeout or default_pg_timeout, default_pg_timeout)
+        if _RETRY["store"] is not None:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"lit_parallel_retry_{_RETRY['count']}/", _RETRY["store"]),
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=rendezvous,
+            )
+            return
+        kwargs: dict[str, Any] = {"timeout": rendezvous}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
 
     def _after_process_group(self) -> None:
         if self._owns_process_group:
@@ -735,9 +846,8 @@ class ReliabilityMixin:
         self._start_reporter()
         self._install_preemption()
         trainer = self._trainer_or_none()
-        if trainer is not None and self._callback is None:
-            self._callback = _ReliabilityCallback(self)
-            trainer.callbacks.append(self._callback)
+        if trainer is not None and not any(isinstance(c, _ReliabilityCallback) for c in trainer.callbacks):
+            trainer.callbacks.append(_ReliabilityCallback())
 
     def _apply_timeout(self) -> None:
         """The strategy's timeout on every process group it uses (call again after creating a mesh)."""
@@ -766,11 +876,13 @@ class ReliabilityMixin:
 
         wanted = self.reliability.preemption_signal
         env = self.cluster_environment
-        slurm = isinstance(env, SLURMEnvironment)
+        # torchrun inside a SLURM job runs under TorchElasticEnvironment: the job is still SLURM's
+        slurm = isinstance(env, SLURMEnvironment) or SLURMEnvironment.detect()
         if wanted == "auto":
-            if not (slurm and env.auto_requeue and env.requeue_signal is not None):
-                return
-            wanted = env.requeue_signal
+            if isinstance(env, SLURMEnvironment):
+                wanted = env.requeue_signal if env.auto_requeue else None
+            else:
+                wanted = signal.SIGUSR1 if slurm else None
         if wanted is None or self._preemption is not None:
             return
         self._preemption = _Preemption(signal.Signals(wanted), slurm=slurm)
@@ -800,9 +912,7 @@ class ReliabilityMixin:
         # DDPStrategy; lit_parallel strategies add their own before calling this.
         self._failed = True
         if self._reporter is None:
-            text = f"lit_parallel: rank {self.global_rank} failed in {self._progress.describe()}:" + (
-                f" {_first_line(exception)}"
-            )
+            text = f"lit_parallel: rank {self.global_rank} failed in {self._progress.describe()}: {_first_line(exception)}"
         else:
             kind = _classify(exception)
             timeout = self._timeout if (self._owns_process_group or self._timeout_given) else None
@@ -813,12 +923,18 @@ class ReliabilityMixin:
                     f"lit_parallel: rank {self.global_rank} failed: {_first_line(exception)} (report: {err})"
                 )
         _stderr(text)
+        rest = text.partition("\n")[2]
         if (
             exception.args
             and isinstance(exception.args[0], str)
             and "lit_parallel: rank" not in exception.args[0]
         ):
-            exception.args = (f"{exception.args[0]}\n\n{text}", *exception.args[1:])
+            # the error is right above: keep only where it happened and what the other ranks were doing
+            short = f"lit_parallel: rank {self.global_rank} failed in {self._progress.describe()}"
+            exception.args = (
+                f"{exception.args[0]}\n\n{short}" + (f"\n{rest}" if rest else ""),
+                *exception.args[1:],
+            )
 
     @override
     def teardown(self) -> None:
@@ -828,18 +944,19 @@ class ReliabilityMixin:
             self._reporter = None
         if self._preemption is not None:
             self._preemption.uninstall()
-            self._preemption = None
-        trainer = self._trainer_or_none()
-        if self._callback is not None and trainer is not None and self._callback in trainer.callbacks:
-            trainer.callbacks.remove(self._callback)
-        self._callback = None
+            self._retired_preemption, self._preemption = self._preemption, None
         self._rng_at_resume = self._rng_restored = self._rng_at_first_batch = None
         if self._failed and self._owns_process_group and dist.is_initialized():
             # A failed run leaves its process group unusable (a timed-out collective poisons it): destroy it
             # so that a retry in this process creates a fresh one.
             with contextlib.suppress(Exception):
+                _RETRY["store"] = dist.distributed_c10d._get_default_store()
+                _RETRY["count"] += 1
                 dist.destroy_process_group()
             _OWNED_GROUPS.clear()
+        if self._previous_debug_level is not None:
+            dist.set_debug_level(self._previous_debug_level)
+            self._previous_debug_level = None
         self._failed = False
 
     @override
@@ -864,9 +981,18 @@ class ReliabilityMixin:
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.world_size > 1 and not _reaches_a_parameter(closure_loss):
+            # backward would run without touching the model, so this rank would skip the gradient collectives
+            # the other ranks wait in: a silent deadlock. Cheap to detect here.
+            raise RuntimeError(
+                f"rank {self.global_rank}: the loss of training batch {self._progress.batch} (epoch"
+                f" {self._progress.epoch}) was not computed from the model's parameters, so its backward would skip"
+                " the gradient collectives the other ranks wait in. Every rank must backpropagate through the model on every batch; to drop a"
+                " batch's contribution on some ranks, return `loss * 0.0` instead of a new tensor."
+            )
         self._progress.at("backward")
-        self._progress.backward_calls += 1
         out = super().backward(closure_loss, *args, **kwargs)  # type: ignore[misc]
+        self._progress.backward_calls += 1
         self._progress.at("after backward (gradient clipping, optimizer step)")
         return out
 
@@ -905,6 +1031,7 @@ class ReliabilityMixin:
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        self._progress.at(f"saving the checkpoint {str(filepath)!r} ({self._progress.describe()})")
         states = self._gather_rng_states()
         if states is not None:
             checkpoint[RNG_KEY] = {"world_size": len(states), "ranks": states}
@@ -968,6 +1095,7 @@ class ReliabilityMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
+        self._progress.at(f"restoring the checkpoint {str(checkpoint_path)!r}")
         path = checkpoint_path
         if not _is_remote(path):
             path = Path(self.broadcast(str(path)))
@@ -1010,9 +1138,12 @@ class ReliabilityMixin:
         return torch.load(path / LIGHTNING_META, weights_only=True)
 
     def _take_rng_states(self, checkpoint: dict[str, Any]) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+
         entry = checkpoint.get(RNG_KEY)
-        if entry is None:
-            return
+        trainer = self._trainer_or_none()
+        if entry is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return  # evaluation keeps the RNG the user seeded
         if entry["world_size"] != self.world_size:
             _info(
                 f"the checkpoint holds the RNG states of {entry['world_size']} ranks and this run has"
@@ -1118,6 +1249,32 @@ class ReliabilityMixin:
             f" {self._progress.batch}{requeued}; stopping"
         )
         trainer.should_stop = True
+
+
+def _reaches_a_parameter(loss: torch.Tensor, budget: int = 20_000) -> bool:
+    """Whether backward from ``loss`` can reach a parameter (an ``nn.Parameter`` leaf, or a custom autograd
+    function that may hide one, such as reentrant activation checkpointing). Breadth-first from the loss: a
+    model's output layer is a few nodes away, so this stops early; only a loss built from fresh tensors
+    (``torch.zeros(1, requires_grad=True)``) explores its whole, tiny graph and returns ``False``."""
+    from torch.autograd.function import BackwardCFunction
+
+    fn = loss.grad_fn
+    if fn is None:
+        return isinstance(loss, torch.nn.Parameter)
+    seen = {fn}
+    queue = collections.deque([fn])
+    while queue:
+        node = queue.popleft()
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.nn.Parameter) or isinstance(node, BackwardCFunction):
+            return True
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                if len(seen) >= budget:
+                    return True  # too large to be a loss computed from nothing
+                seen.add(nxt)
+                queue.append(nxt)
+    return False
 
 
 def _requeue_slurm_job() -> str:

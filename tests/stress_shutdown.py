@@ -5,7 +5,7 @@ Not collected by pytest (its name does not start with ``test_``); it takes minut
     OMP_NUM_THREADS=1 python tests/stress_shutdown.py --runs 20
     OMP_NUM_THREADS=1 python tests/stress_shutdown.py --runs 20 --strategies fsdp_blocks --launchers torchrun
 
-Each run trains a tiny model for two steps on 2 gloo ranks, either under torchrun (every rank's exit code
+Each run trains a tiny Llama for two steps on 2 gloo ranks, either under torchrun (every rank's exit code
 comes from torchrun's agent) or under Lightning's own launcher (``python this_file.py --worker`` with
 ``devices=2``; rank 0 reports the children's exit codes, since lit_parallel's launcher waits for them). A
 run counts as clean when the launcher and every rank exit 0 and nothing was printed about an abort. The
@@ -26,6 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 STRATEGIES = ("ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp")
+# Like a training script's module-level variables: the Trainer and the model live until the process exits.
+_ALIVE: list = []
 LAUNCHERS = ("torchrun", "lightning")
 _ABORT_MARKERS = ("terminate called", "Aborted", "core dumped", "SIGABRT", "Segmentation fault", "SIGSEGV")
 
@@ -50,7 +52,8 @@ def worker(strategy: str, result: str | None) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = LitModel()
+    model = LitModel(name="llama")  # separate q/k/v projections: every strategy, tp_dp included, can split it
+    _ALIVE.extend([trainer, model])
     trainer.fit(model, DataLoader(lm_dataset(), batch_size=2))
     if result and trainer.global_rank == 0:
         Path(result).write_text(json.dumps({"losses": model.losses}))
@@ -62,7 +65,12 @@ def one_run(strategy: str, launcher: str, port: int, timeout: float) -> tuple[bo
     me = str(Path(__file__).resolve())
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-        cmd += [f"--master-port={port}", "--master-addr=127.0.0.1", "--max-restarts=0", "--monitor-interval=0.1"]
+        cmd += [
+            f"--master-port={port}",
+            "--master-addr=127.0.0.1",
+            "--max-restarts=0",
+            "--monitor-interval=0.1",
+        ]
         cmd += [me, "--worker", "--strategy", strategy]
     else:
         cmd = [sys.executable, me, "--worker", "--strategy", strategy]

@@ -96,7 +96,9 @@ def run(tmp_path_factory):
     scenarios = [
         f"tests.test_auto_strategy:{n}" for n in ("picks_ddp_tuned", "picks_fsdp_blocks", "picks_tp_dp")
     ]
-    return launch(scenarios, 2, tmp_path_factory.mktemp("auto"), timeout=300)
+    # Lightning's own launcher (`python train.py`): the strategy decides before it starts the other rank;
+    # the in-process tests below cover the decision when the Trainer attaches the model (torchrun, SLURM).
+    return launch(scenarios, 2, tmp_path_factory.mktemp("auto"), launcher="lightning", timeout=300)
 
 
 @pytest.mark.multiprocess

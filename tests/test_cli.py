@@ -41,7 +41,7 @@ def test_every_command_has_help(argv, capsys):
     [
         (["demo", "--devices", "0"], "--devices, --epochs and --batch-size must each be at least 1"),
         (["bench", "all", "--only", "ddp,nope"], "unknown benchmark(s) ['nope']; choose from ddp, fsdp, tp"),
-        (["consolidate", "no/such/folder", "out.pt"], "'no/such/folder' is not a sharded checkpoint"),
+        (["consolidate", "no/such/folder", "out.pt"], "no checkpoint at 'no/such/folder'"),
     ],
 )
 def test_errors_exit_with_code_2_and_say_what_to_do(argv, message, capsys):

@@ -1,11 +1,13 @@
 """AutoStrategy ("auto_parallel"): measure the model and the devices, then become the strategy that fits.
 
 The choice is made by the advisor's ordered rules (:data:`lit_parallel.parallel.advisor.RULES`, the same
-table ``lit-parallel advise`` prints and the documentation shows), when the Trainer first attaches the
-model (``connect``): before any process group exists, on every rank, from numbers every rank computes
+table ``lit-parallel advise`` prints and the documentation shows) as soon as the model is known: under
+Lightning's launcher before it starts the other ranks, otherwise when the Trainer attaches the model
+(``connect``). That is before any process group exists, on every rank, from numbers every rank computes
 alike (parameter counts, world size, device memory). From then on the object *is* the chosen strategy
-(its class is replaced, and its state is that of a freshly built one), so it behaves exactly as the chosen
-one: ``isinstance(trainer.strategy, TransformerFSDPStrategy)`` holds after ``fit`` starts.
+(its class is replaced, and its state is that of a freshly built one plus what Lightning configured), so
+it behaves exactly as the chosen one: ``isinstance(trainer.strategy, TransformerFSDPStrategy)`` holds
+once ``fit`` has started.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
+from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityMixin
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
@@ -40,9 +43,13 @@ CANDIDATES: dict[str, type[Strategy]] = {
 }
 assert set(CANDIDATES) == {rule.strategy for rule in RULES}
 
+# Arguments every candidate takes; AutoStrategy passes its own to the chosen one.
+_COMMON = ("process_group_backend", "timeout", "debug_level", "watchdog", "preemption_signal")
+
 # What Lightning's accelerator connector sets on the strategy before the model is known; the chosen
 # strategy takes these over. The launcher object is kept: in the launching process it holds the child
-# processes, which Lightning kills through it when training fails.
+# processes, which Lightning kills through it when training fails (and it refers to this very object,
+# which becomes the chosen strategy).
 _INHERITED = (
     "_accelerator",
     "_checkpoint_io",
@@ -55,10 +62,10 @@ _INHERITED = (
 )
 
 
-class AutoStrategy(DDPStrategy):
+class AutoStrategy(ReliabilityMixin, DDPStrategy):
     """Chooses ``ddp_tuned``, ``tp_dp``, ``hsdp`` or ``fsdp_blocks`` for the model and devices at hand.
 
-    When the Trainer attaches the model, the strategy counts its parameters, finds its transformer blocks,
+    As soon as the model is known, the strategy counts its parameters, finds its transformer blocks,
     estimates activations when the model has an ``example_input_array`` (or takes tokens), reads the memory
     of one device, and applies the advisor's rules in order:
 
@@ -71,7 +78,8 @@ class AutoStrategy(DDPStrategy):
     The decision, the evidence for each rule and the per-rank memory table of every strategy are logged
     on rank 0 (logger ``lit_parallel``) and kept as ``trainer.strategy.advice``
     (:class:`~lit_parallel.parallel.advisor.Advice`). From then on the strategy object is the chosen one.
-    Until the model is attached it is a ``DDPStrategy`` (the launcher of every candidate is the same).
+    Until the model is known it is a ``DDPStrategy`` (every candidate uses the same launcher). Its bases
+    mirror the candidates' (``ReliabilityMixin`` first), which lets the object change class.
 
     Args:
         memory_gb: memory of one device in GB (1e9 bytes). Default: the CUDA device's total memory; on CPU
@@ -79,8 +87,9 @@ class AutoStrategy(DDPStrategy):
         strategy_kwargs: arguments for the chosen strategy, by registry name, e.g.
             ``{"fsdp_blocks": {"activation_checkpointing": True}, "ddp_tuned": {"comm_hook": "fp16"}}``.
             Checked against each strategy's signature when this strategy is built.
-        process_group_backend: passed to the chosen strategy.
-        timeout: process group timeout, passed to the chosen strategy.
+        process_group_backend, timeout, debug_level, watchdog, preemption_signal: as in every candidate
+            strategy (process group backend and timeout, collective checks, ending every rank when one
+            fails, the preemption signal), passed to the chosen one.
 
     The memory accounting follows the Trainer's ``precision`` (mixed precision: 2 + 2 + 12 bytes per
     parameter; ``"32-true"``: 4 + 4 + 8; ``"bf16-true"`` / ``"16-true"``: 2 + 2 + 4).
@@ -94,6 +103,9 @@ class AutoStrategy(DDPStrategy):
         strategy_kwargs: dict[str, dict[str, Any]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        debug_level: DebugLevel | None = None,
+        watchdog: bool = True,
+        preemption_signal: PreemptionSignal = "auto",
     ) -> None:
         if memory_gb is not None and (
             isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0
@@ -108,7 +120,7 @@ class AutoStrategy(DDPStrategy):
                 )
             if not isinstance(kwargs, dict):
                 raise ValueError(f"strategy_kwargs[{name!r}]={kwargs!r} must be a dict of arguments")
-            for reserved in ("process_group_backend", "timeout"):
+            for reserved in _COMMON:
                 if reserved in kwargs:
                     raise ValueError(
                         f"strategy_kwargs[{name!r}] sets {reserved!r}; pass it to AutoStrategy({reserved}=...)"
@@ -123,19 +135,37 @@ class AutoStrategy(DDPStrategy):
                     f" its arguments are {', '.join(params)}"
                 ) from None
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self._init_reliability(
+            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+        )
         self._memory_gb = memory_gb
         self._strategy_kwargs = strategy_kwargs
+        self._common_kwargs = {
+            "process_group_backend": process_group_backend,
+            "timeout": timeout,
+            "debug_level": debug_level,
+            "watchdog": watchdog,
+            "preemption_signal": preemption_signal,
+        }
         self.advice: Advice | None = None
 
     @override
+    def _validate_before_launch(self, trainer: Any, model: Any) -> None:
+        # Under Lightning's launcher the model is known before the other ranks start: decide now, and let
+        # the chosen strategy check its configuration before any rank is started.
+        if model is not None:
+            self._become_chosen(model)
+            self._validate_before_launch(trainer, model)
+
+    @override
     def connect(self, model: Any) -> None:
+        self._become_chosen(model)
+        self.connect(model)
+
+    def _become_chosen(self, model: Any) -> None:
         advice = self.decide(model)
         chosen_cls = CANDIDATES[advice.recommendation]
-        chosen = chosen_cls(
-            process_group_backend=self._process_group_backend,
-            timeout=self._timeout,
-            **self._strategy_kwargs.get(advice.recommendation, {}),
-        )
+        chosen = chosen_cls(**self._kwargs_for(advice.recommendation))
         inherited = {name: self.__dict__[name] for name in _INHERITED if name in self.__dict__}
         num_nodes = self.num_nodes
         # Become the chosen strategy: its class and a freshly built one's state, plus what Lightning
@@ -147,7 +177,21 @@ class AutoStrategy(DDPStrategy):
         self.num_nodes = num_nodes
         self.set_world_ranks()
         self.advice = advice
-        self.connect(model)
+
+    def _kwargs_for(self, name: str) -> dict[str, Any]:
+        cls = CANDIDATES[name]
+        accepted = inspect.signature(cls).parameters
+        kwargs = {k: v for k, v in self._common_kwargs.items() if k in accepted}
+        dropped = {k: v for k, v in self._common_kwargs.items() if k not in accepted}
+        defaults = inspect.signature(AutoStrategy).parameters
+        changed = {k: v for k, v in dropped.items() if v is not defaults[k].default}
+        if changed:
+            raise ValueError(
+                f"auto_parallel chose {name!r}, but {cls.__name__} does not take"
+                f" {', '.join(f'{k}={v!r}' for k, v in changed.items())}; leave it at its default or choose"
+                " the strategy yourself"
+            )
+        return {**kwargs, **self._strategy_kwargs.get(name, {})}
 
     def decide(self, model: Any) -> Advice:
         """Measure ``model`` and the devices and apply the rules (no process group needed)."""

@@ -251,10 +251,11 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
 
     @override
     def _validate_before_launch(self, trainer: pl.Trainer | None, model: pl.LightningModule | None) -> None:
-        # Under Lightning's launcher: before the other ranks are started.
+        # Under Lightning's launcher: before the other ranks are started. connect() runs the model checks
+        # (block discovery here; the tensor-parallel plan in tp_dp); Lightning connects again after launching.
         self._validate()
         if model is not None:
-            self._check_blocks(model)
+            self.connect(model)
 
     def _check_blocks(self, model: pl.LightningModule) -> None:
         # Without configure_model the model is complete now: find the blocks before any process group
