@@ -96,6 +96,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from lit_parallel.bench.common import median_ratio
     from lit_parallel.launch import write_result
 
     use_gpu = args.accelerator == "gpu"
@@ -150,8 +151,8 @@ def _worker(args: argparse.Namespace) -> int:
                         "median_step_s": med[v],
                         "samples_per_s": global_batch / med[v],
                         # ratios are taken within each repeat (the variants ran back to back), then the median
-                        "ratio_vs_lightning_ddp": _median_ratio(times[v], times["lightning_ddp"]),
-                        "ratio_vs_plain": _median_ratio(times[v], times["plain_ddp"]),
+                        "ratio_vs_lightning_ddp": median_ratio(times[v], times["lightning_ddp"]),
+                        "ratio_vs_plain": median_ratio(times[v], times["plain_ddp"]),
                         "bytes_per_step": bytes_per_step[v],
                     }
                     for v in VARIANTS
@@ -163,10 +164,6 @@ def _worker(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def _median_ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def _make_model(args):
@@ -228,30 +225,6 @@ def _lightning_module(args):
     return Bench()
 
 
-class _StepTimer:
-    def __new__(cls, use_gpu: bool):
-        import lightning as L
-        import torch
-
-        class Timer(L.Callback):
-            def __init__(self):
-                self.ends: list[float] = []
-
-            def on_train_start(self, trainer, pl_module):
-                self.ends = [time.perf_counter()]
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                if use_gpu:
-                    torch.cuda.synchronize()
-                self.ends.append(time.perf_counter())
-
-            @property
-            def step_times(self):
-                return [b - a for a, b in zip(self.ends, self.ends[1:])]
-
-        return Timer()
-
-
 def _trainer(args, strategy, use_gpu, callbacks, max_steps=None):
     import lightning as L
     import torch.distributed as dist
@@ -273,8 +246,9 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lit_parallel import TunedDDPStrategy
+    from lit_parallel.bench.common import StepProbe
 
-    timer = _StepTimer(use_gpu)
+    timer = StepProbe(args.warmup, use_gpu)
     strategy = TunedDDPStrategy() if variant == "ddp_tuned" else DDPStrategy()
     trainer = _trainer(args, strategy, use_gpu, [timer])
     trainer.fit(_lightning_module(args), _loader(args, data))

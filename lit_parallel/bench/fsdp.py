@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 VARIANTS = ("fsdp_blocks", "lightning_mp", "ddp_tuned")
@@ -265,41 +264,6 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _callbacks(args, use_gpu: bool):
-    import lightning as L
-    import torch
-
-    from lit_parallel.parallel.comm import CommCounter
-
-    class Probe(L.Callback):
-        """Times every batch; counts the collectives of the last warm-up step (untimed)."""
-
-        def __init__(self):
-            self.ends: list[float] = []
-            self.counter: CommCounter | None = None
-            self.sent = 0.0
-            self.counts: dict[str, int] = {}
-
-        def on_train_start(self, trainer, pl_module):
-            self.ends = [time.perf_counter()]
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == args.warmup - 1:
-                self.counter = CommCounter()
-                self.counter.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.counter is not None:
-                self.counter.__exit__(None, None, None)
-                self.sent, self.counts = self.counter.sent_bytes(), self.counter.counts()
-                self.counter = None
-            if use_gpu:
-                torch.cuda.synchronize()
-            self.ends.append(time.perf_counter())
-
-    return Probe()
-
-
 def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     import lightning as L
     import torch.distributed as dist
@@ -307,6 +271,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lit_parallel import TransformerFSDPStrategy, TunedDDPStrategy
+    from lit_parallel.bench.common import StepProbe
     from lit_parallel.parallel.memory import training_state_bytes
 
     n = dist.get_world_size()
@@ -316,7 +281,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
         strategy = ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1)
     else:
         strategy = TunedDDPStrategy()
-    probe = _callbacks(args, use_gpu)
+    probe = StepProbe(args.warmup, use_gpu)
     trainer = L.Trainer(
         accelerator="gpu" if use_gpu else "cpu",
         devices=n,
@@ -332,7 +297,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     sampler = DistributedSampler(data, num_replicas=n, rank=dist.get_rank(), seed=0)
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, sampler=sampler))
     state = training_state_bytes(module, trainer.optimizers[0])
-    steps = [b - a for a, b in zip(probe.ends, probe.ends[1:])]
+    steps = probe.step_times
     return steps, {"state": state, "sent": probe.sent, "counts": probe.counts}
 
 

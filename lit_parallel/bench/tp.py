@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 VARIANTS = ("tp_dp", "tp_dp_sp", "fsdp_blocks")
@@ -275,47 +274,13 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _probe(args, use_gpu: bool):
-    import lightning as L
-    import torch
-
-    from lit_parallel.parallel.comm import CommCounter
-
-    class Probe(L.Callback):
-        """Times every batch; counts the collectives of the last warm-up step (untimed)."""
-
-        def __init__(self):
-            self.ends: list[float] = []
-            self.counter: CommCounter | None = None
-            self.sent = 0.0
-            self.counts: dict[str, int] = {}
-
-        def on_train_start(self, trainer, pl_module):
-            self.ends = [time.perf_counter()]
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == args.warmup - 1:
-                self.counter = CommCounter()
-                self.counter.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.counter is not None:
-                self.counter.__exit__(None, None, None)
-                self.sent, self.counts = self.counter.sent_bytes(), self.counter.counts()
-                self.counter = None
-            if use_gpu:
-                torch.cuda.synchronize()
-            self.ends.append(time.perf_counter())
-
-    return Probe()
-
-
 def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     import lightning as L
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     from lit_parallel import TensorParallelStrategy, TransformerFSDPStrategy
+    from lit_parallel.bench.common import StepProbe
     from lit_parallel.parallel import local_parameter_bytes
 
     n = dist.get_world_size()
@@ -324,7 +289,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
         strategy = TransformerFSDPStrategy()
     else:
         strategy = TensorParallelStrategy(tensor_parallel_size=tp, sequence_parallel=variant == "tp_dp_sp")
-    probe = _probe(args, use_gpu)
+    probe = StepProbe(args.warmup, use_gpu)
     trainer = L.Trainer(
         accelerator="gpu" if use_gpu else "cpu",
         devices=n,
@@ -340,7 +305,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     # The same global batch for every variant: each data-parallel rank takes 1/dp of it (Lightning's
     # sampler shards over the data-parallel ranks only).
     trainer.fit(module, DataLoader(data, batch_size=args.global_batch // (n // tp)))
-    steps = [b - a for a, b in zip(probe.ends, probe.ends[1:])]
+    steps = probe.step_times
     info = {
         "mesh": f"{n // tp} x {tp}",
         "param_bytes": sum(local_parameter_bytes(module).values()),
