@@ -26,7 +26,7 @@ DEFAULT = ("ddp", "fsdp", "tp")
 
 # Small models and one repeat: checks that everything runs (CI), not a measurement.
 QUICK = {
-    "ddp": ["--width=64", "--depth=3", "--steps=3", "--warmup=1", "--repeats=1"],
+    "ddp": ["--width=64", "--depth=3", "--steps=3", "--warmup=2", "--repeats=1"],
     "fsdp": ["--dim=64", "--layers=2", "--heads=4", "--vocab=128", "--seq=16", "--batch-size=2", "--steps=2"]
     + ["--warmup=2", "--repeats=1"],
     "tp": ["--dim=64", "--layers=2", "--heads=4", "--vocab=128", "--seq=16", "--global-batch=4", "--steps=2"]

@@ -24,7 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=10, help="Linear layers (default 10: about 10.5M parameters)")
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size (default 32)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per repeat (default 12)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per repeat (default 3)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed steps per repeat (default 3; ddp_tuned probes on step 1 and builds DDP on step 2)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="repeats of every variant (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
