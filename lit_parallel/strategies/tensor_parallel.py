@@ -41,6 +41,7 @@ from lit_parallel.parallel.tensor_parallel import (
     local_parameter_bytes,
     plan_from_spec,
 )
+from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.strategies.fsdp import (
     _STEP_METHODS,
     TransformerFSDPStrategy,
@@ -93,7 +94,8 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         block_types: the transformer blocks (``"auto"``, classes, class names or a predicate), as in
             ``fsdp_blocks``.
         reshard_after_forward, mixed_precision, activation_checkpointing, compile, init_from,
-        save_distributed_checkpoint, process_group_backend, timeout: as in ``fsdp_blocks``.
+        save_distributed_checkpoint, process_group_backend, timeout, debug_level, watchdog,
+            preemption_signal: as in ``fsdp_blocks``.
 
     The plan (module -> style, replicated layers with the reason, adjusted head-count attributes) and
     the parameter bytes per rank are logged on rank 0; the plan is kept as ``strategy.tp_plan``. With
@@ -122,6 +124,9 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        debug_level: DebugLevel | None = None,
+        watchdog: bool = True,
+        preemption_signal: PreemptionSignal = "auto",
     ) -> None:
         _check_size("data_parallel_size", data_parallel_size)
         _check_size("tensor_parallel_size", tensor_parallel_size)
@@ -151,6 +156,9 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
         )
         self._dp_size = data_parallel_size
         self._tp_size = tensor_parallel_size
