@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return _worker(args)
     if min(args.repeats, args.steps, args.epochs) < 1 or args.warmup < 0 or args.warmup >= args.steps:
         raise ValueError("--repeats, --steps and --epochs must be at least 1, and 0 <= --warmup < --steps")
-    from lit_parallel.launch import run_ranks
+    from lit_parallel.bench.common import launch_and_report
 
     forwarded = [
         f"--{name.replace('_', '-')}={getattr(args, name)}"
@@ -75,14 +75,7 @@ def run(args: argparse.Namespace) -> int:
             "repeats",
         )
     ]
-    result = run_ranks("lit_parallel.bench.callbacks", args.devices, forwarded)
-    print_report(result)
-    if args.json:
-        import json
-        from pathlib import Path
-
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return launch_and_report("lit_parallel.bench.callbacks", args, forwarded, print_report)
 
 
 def print_report(result: dict[str, Any]) -> None:

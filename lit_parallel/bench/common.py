@@ -48,6 +48,20 @@ class StepProbe(L.Callback):
         return [b - a for a, b in zip(self.ends, self.ends[1:])]
 
 
+def launch_and_report(module: str, args, forwarded: list[str], print_report) -> int:
+    """Run ``module``'s worker on ``args.devices`` ranks, print rank 0's result, write it to ``args.json``."""
+    import json
+    from pathlib import Path
+
+    from lit_parallel.launch import run_ranks
+
+    result = run_ranks(module, args.devices, forwarded)
+    print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def median_ratio(a: list[float], b: list[float]) -> float:
     """Median over repeats of ``a[i] / b[i]``: ratios of variants that ran back to back."""
     return statistics.median(x / y for x, y in zip(a, b))

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         return _worker(args)
     if args.repeats < 1 or args.steps < 1 or args.warmup < 1:
         raise ValueError("--repeats, --steps and --warmup must each be at least 1")
-    from lit_parallel.launch import run_ranks
+    from lit_parallel.bench.common import launch_and_report
 
     forwarded = [
         f"--accelerator={args.accelerator}",
@@ -53,14 +53,7 @@ def run(args: argparse.Namespace) -> int:
         f"--repeats={args.repeats}",
         f"--devices={args.devices}",
     ]
-    result = run_ranks("lit_parallel.bench.ddp", args.devices, forwarded)
-    print_report(result)
-    if args.json:
-        import json
-        from pathlib import Path
-
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return launch_and_report("lit_parallel.bench.ddp", args, forwarded, print_report)
 
 
 def print_report(result: dict[str, Any]) -> None:

@@ -50,21 +50,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--repeats and --steps must be at least 1, --warmup at least 2")
     if args.dim % args.heads:
         raise ValueError(f"--dim={args.dim} must be a multiple of --heads={args.heads}")
-    from lit_parallel.launch import run_ranks
+    from lit_parallel.bench.common import launch_and_report
 
     forwarded = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
         for k in ("accelerator", "dim", "layers", "heads", "vocab", "seq", "batch_size", "steps", "warmup")
     ]
     forwarded += [f"--repeats={args.repeats}", f"--devices={args.devices}"]
-    result = run_ranks("lit_parallel.bench.fsdp", args.devices, forwarded)
-    print_report(result)
-    if args.json:
-        import json
-        from pathlib import Path
-
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return launch_and_report("lit_parallel.bench.fsdp", args, forwarded, print_report)
 
 
 def print_report(result: dict[str, Any]) -> None:

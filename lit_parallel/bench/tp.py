@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
     tp = _check(args)
-    from lit_parallel.launch import run_ranks
+    from lit_parallel.bench.common import launch_and_report
 
     keys = (
         "accelerator",
@@ -82,14 +82,7 @@ def run(args: argparse.Namespace) -> int:
     )
     forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
     forwarded += [f"--devices={args.devices}", f"--tensor-parallel-size={tp}"]
-    result = run_ranks("lit_parallel.bench.tp", args.devices, forwarded)
-    print_report(result)
-    if args.json:
-        import json
-        from pathlib import Path
-
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return launch_and_report("lit_parallel.bench.tp", args, forwarded, print_report)
 
 
 def print_report(result: dict[str, Any]) -> None:
