@@ -10,9 +10,20 @@ import torch
 
 from lit_parallel.callbacks import learning_rate_rule, per_rank_seed, scaled_learning_rate
 from lit_parallel.callbacks.pitfalls import Finding, PitfallReport, format_table
+from lit_parallel.parallel.waits import Window, transfer_waits
 from tests.harness import launch
 
-SCENARIOS = ["healthy", "faulty_model_and_data", "faulty_communication", "faulty_straggler"]
+SCENARIOS = [
+    "wait_timer",
+    "healthy",
+    "faulty_model_and_data",
+    "faulty_communication",
+    "faulty_straggler",
+    "fsdp_healthy",
+    "fsdp_faulty_communication",
+    "fsdp_straggler",
+    "tp_faulty_communication",
+]
 CHECKS = [
     "parameter/buffer divergence",
     "learning-rate scaling",
@@ -71,6 +82,17 @@ def test_table_lists_every_check_and_the_fix_of_problems():
     assert "PROBLEM" in table and "fix: more workers" in table and "fine" in table
 
 
+def test_transfer_waits_takes_the_last_arrival_per_collective():
+    # rank 0 arrives first at collective 1 (waits 4 = 3 for rank 1 + 1 transfer), rank 1 first at 2
+    rank0 = [Window(10.0, 5.0, (4.0, 1.0)), Window(10.0, 2.0, (1.0, 1.0)), Window(9.0, 1.0, (1.0,))]
+    rank1 = [Window(10.0, 4.0, (1.0, 3.0)), Window(10.0, 2.0, (2.0, 0.5)), Window(9.0, 1.0, (0.5, 0.5))]
+    # window 3: different numbers of collectives, so no pairing: left out
+    assert transfer_waits([rank0, rank1]) == [1.0 + 1.0, 1.0 + 0.5]
+    # windows whose sequences were not kept (only totals) are left out too, empty ones count as zero
+    assert transfer_waits([[Window(1.0, 0.5)], [Window(1.0, 0.2)]]) == []
+    assert transfer_waits([[Window(1.0, 0.0)], [Window(1.0, 0.0)]]) == [0.0]
+
+
 # ------------------------------------------------------------------------------------ 2 gloo ranks
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
@@ -84,12 +106,13 @@ def run(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_healthy_run_is_silent(run):
-    for out in run.scenario("healthy"):
+@pytest.mark.parametrize("scenario", ["healthy", "fsdp_healthy"])
+def test_healthy_run_is_silent(run, scenario):
+    for out in run.scenario(scenario):
         # mode="raise": any problem would have stopped the run on every rank
         assert out["raised"] is None, out["table"]
         assert out["status"] == {c: "info" if c == "throughput" else "ok" for c in CHECKS}, out["table"]
-    table = run.scenario("healthy")[0]["table"]
+    table = run.scenario(scenario)[0]["table"]
     assert all(check in table for check in CHECKS)
 
 
@@ -117,19 +140,50 @@ def test_divergence_lr_data_and_augmentation_detectors_fire(run):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_exposed_communication_detector_fires(run):
-    rank0, rank1 = run.scenario("faulty_communication")
-    assert rank0["status"]["exposed communication"] == "problem", rank0["table"]
-    assert any("exposed communication" in w for w in rank0["warnings"])
+@pytest.mark.parametrize(
+    "scenario, fix",
+    [
+        ("faulty_communication", "comm_hook='bf16'"),  # DDP: the reducer's timings
+        ("fsdp_faulty_communication", "reshard_after_forward=False"),  # FSDP2 all-gathers, reduce-scatters
+        ("tp_faulty_communication", "tensor_parallel_size"),  # DTensor redistributions
+    ],
+)
+def test_exposed_communication_detector_fires(run, scenario, fix):
+    rank0, rank1 = run.scenario(scenario)
+    assert rank0["status"]["exposed communication"] == rank1["status"]["exposed communication"] == "problem"
+    evidence = rank0["evidence"]["exposed communication"]
+    transfers = int(
+        re.search(r"the transfers themselves \(the wait of the last rank to arrive\) (\d+)%", evidence)[1]
+    )
+    assert transfers > 20, evidence
+    assert any("exposed communication" in w and fix in w for w in rank0["warnings"]), rank0["warnings"]
     assert rank1["warnings"] == []  # rank 0 warns
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_straggler_detector_names_the_slow_rank(run):
-    rank0, _ = run.scenario("faulty_straggler")
+@pytest.mark.parametrize("scenario", ["faulty_straggler", "fsdp_straggler"])
+def test_straggler_detector_names_the_slow_rank(run, scenario):
+    rank0, _ = run.scenario(scenario)
     assert rank0["status"]["stragglers"] == "problem", rank0["table"]
     assert "rank 1 is" in rank0["evidence"]["stragglers"]
     # the fast rank's wait for the straggler is not reported as a communication problem
     assert rank0["status"]["exposed communication"] == "ok", rank0["table"]
     assert math.isfinite(float(rank0["evidence"]["throughput"].split("total ")[1].rstrip(".")))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_wait_timer_times_blocking_and_waited_collectives_once(run):
+    rank0, rank1 = run.scenario("wait_timer")
+    for out in (rank0, rank1):
+        assert out["wrapped"] == [True, True] and out["restored"] == [True, True]
+        assert out["sum"] == 4.0  # 1 -> 2 (blocking) -> 4 (async): both all-reduces really ran
+        step, threaded = out["waits"]
+        # blocking all-reduce, barrier's wait, the async all-reduce's wait; nothing on the other thread
+        assert len(step) == 3 and threaded == []
+    # rank 0 arrived 0.3 s early: it waited for rank 1; rank 1 waited for the transfer only
+    assert rank0["waits"][0][0] > 0.25 and rank1["waits"][0][0] < 0.1
+    assert rank0["spans"][0] >= sum(rank0["waits"][0])
+    windows = [[Window(s, sum(w), tuple(w)) for s, w in zip(o["spans"], o["waits"])] for o in (rank0, rank1)]
+    assert transfer_waits(windows)[0] < 0.1

@@ -1,7 +1,7 @@
 """`lit-parallel bench callbacks`: what each diagnostic callback costs, in one run on the same model.
 
-Every variant trains the same MLP (BatchNorm after each hidden layer) under Lightning's DDP with the
-same data, and validates it with a torchmetrics accuracy each epoch. Three costs are measured:
+Every variant trains the same MLP (BatchNorm after each hidden layer) under the same strategy
+(``--strategy``: Lightning's DDP by default, or ``ddp_tuned`` / ``fsdp_blocks``) with the same data, and validates it with a torchmetrics accuracy each epoch. Three costs are measured:
 
 - per training step: median interval between consecutive ``on_train_batch_start`` within an epoch,
   after warm-up (hooks, taps, timers, periodic checks), as a ratio to the run without callbacks;
@@ -40,6 +40,12 @@ VARIANTS = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=2, help="ranks (processes) to run (default 2)")
     p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="cpu (gloo) or gpu (nccl)")
+    p.add_argument(
+        "--strategy",
+        choices=("ddp", "ddp_tuned", "fsdp_blocks"),
+        default="ddp",
+        help="strategy every variant runs under (default: Lightning's ddp)",
+    )
     p.add_argument("--width", type=int, default=512, help="hidden width of the MLP (default 512)")
     p.add_argument(
         "--depth", type=int, default=4, help="hidden layers, each Linear+BatchNorm+ReLU (default 4)"
@@ -66,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         for name in (
             "devices",
             "accelerator",
+            "strategy",
             "width",
             "depth",
             "batch_size",
@@ -87,7 +94,7 @@ def print_report(result: dict[str, Any]) -> None:
     table = Table(
         title=(
             f"bench callbacks: {cfg['params'] / 1e6:.2f}M-parameter MLP with BatchNorm, {cfg['devices']} ranks"
-            f" ({cfg['backend']}), batch {cfg['batch_size']}/rank, {cfg['epochs']} epochs x {cfg['steps']} steps,"
+            f" ({cfg['backend']}, {cfg.get('strategy', 'ddp')}), batch {cfg['batch_size']}/rank, {cfg['epochs']} epochs x {cfg['steps']} steps,"
             f" median of {cfg['repeats']} repeats; baseline step {base['train_step_s'] * 1e3:.1f} ms,"
             f" validation step {base['val_step_s'] * 1e3:.1f} ms"
         )
@@ -173,6 +180,7 @@ def _worker(args: argparse.Namespace) -> int:
                 "config": {
                     "devices": world,
                     "backend": dist.get_backend(),
+                    "strategy": args.strategy,
                     "params": sum(p.numel() for p in _module(args).parameters()),
                     "batch_size": args.batch_size,
                     "steps": args.steps,
@@ -193,17 +201,20 @@ def _module(args: argparse.Namespace) -> Any:
     import torch
     from torchmetrics.classification import MulticlassAccuracy
 
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(args.width, args.width)
+            self.norm = torch.nn.BatchNorm1d(args.width)
+
+        def forward(self, x):
+            return torch.relu(self.norm(self.linear(x)))
+
     class Net(L.LightningModule):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            layers = []
-            for _ in range(args.depth):
-                layers += [
-                    torch.nn.Linear(args.width, args.width),
-                    torch.nn.BatchNorm1d(args.width),
-                    torch.nn.ReLU(),
-                ]
+            layers = [Hidden() for _ in range(args.depth)]  # the blocks fsdp_blocks shards
             self.net = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 10))
             self.acc = MulticlassAccuracy(num_classes=10)
 
@@ -328,7 +339,7 @@ def _one_run(args: argparse.Namespace, variant: str, train: Any, val: Any, use_g
     trainer = L.Trainer(
         accelerator="gpu" if use_gpu else "cpu",
         devices=dist.get_world_size(),
-        strategy="ddp",
+        strategy=args.strategy,
         max_epochs=args.epochs,
         logger=False,
         enable_checkpointing=False,

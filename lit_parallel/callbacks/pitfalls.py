@@ -6,9 +6,11 @@ Checks, each measured on every rank of the data-parallel group and decided from 
 - learning rate not scaled for the global batch (linear rule for SGD-like optimizers, square root for
   Adam-like ones, warm-up for large scale factors), against a declared base learning rate and batch;
 - data loading as the bottleneck (share of step time spent waiting for the next batch, per rank);
-- communication share of step time: the time compute waits on collectives (exposed communication,
-  from DDP's reducer timings), above ``comm_share_limit``;
-- stragglers: a rank consistently slower in its own compute (collective waits excluded), and
+- communication share of step time: the time compute waits on collectives (exposed communication:
+  DDP's reducer timings for its gradient all-reduces, and :class:`CollectiveWaitTimer` for every other
+  collective the step waits on — FSDP2's all-gathers and reduce-scatters, DTensor redistributions,
+  ``sync_dist`` logging), above ``comm_share_limit``;
+- stragglers: a rank consistently slower in its own compute (step time less collective waits), and
   throughput in samples/s per rank and in total;
 - identical random augmentation across ranks (same random state on every rank while the dataset draws
   random numbers), silent when ``seed_everything(workers=True)`` gives workers distinct seeds.
@@ -43,6 +45,7 @@ from lit_parallel.callbacks.data_parallel import (
     report,
 )
 from lit_parallel.callbacks.fingerprints import tensor_leaves
+from lit_parallel.parallel.waits import CollectiveWaitTimer, transfer_waits
 
 # Optimizers whose step is normalized per coordinate: their learning rate scales with the square root
 # of the batch size (Malladi et al., 2022); plain SGD-like ones scale linearly (Goyal et al., 2017).
@@ -134,8 +137,6 @@ class _EpochTimes:
     step_starts: list[float] = field(default_factory=list)
     fetch: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
-    forward: list[float] = field(default_factory=list)
-    backward: list[float] = field(default_factory=list)
     ddp_compute: list[float] = field(default_factory=list)
     ddp_exposed_comm: list[float] = field(default_factory=list)
     diverged: dict[str, float] = field(default_factory=dict)
@@ -208,8 +209,7 @@ class PitfallReport(Callback):
         self._reported: set[str] = set()
         self._last_table = ""
         self._batches = 0
-        self._t_batch_start: float | None = None
-        self._t_before_backward: float | None = None
+        self._waits: CollectiveWaitTimer | None = None
         self._fetch_started: float | None = None
         self._ddp_iteration: int | None = None
         self._ddp_seen: Any = None
@@ -221,6 +221,7 @@ class PitfallReport(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
+        self._waits = CollectiveWaitTimer(trainer.strategy.root_device).install()
         profiler = trainer.profiler
         if "start" not in profiler.__dict__:
             start, stop = profiler.start, profiler.stop
@@ -241,10 +242,16 @@ class PitfallReport(Callback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._ddp_seen = None
+        if self._waits is not None:
+            self._waits.uninstall()
+            self._waits = None
         if self._profiler is not None:
             self._profiler.__dict__.pop("start", None)
             self._profiler.__dict__.pop("stop", None)
             self._profiler = None
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._dp = data_parallel_group(trainer.strategy)
@@ -253,10 +260,11 @@ class PitfallReport(Callback):
         self._times = _EpochTimes()
         self._epoch = trainer.current_epoch
         self._augmentation = self._augmentation_state(trainer)
+        if self._waits is not None:
+            self._waits.clear()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
-        self._t_batch_start = now
         times = self._times
         times.step_starts.append(now)
         try:
@@ -268,19 +276,14 @@ class PitfallReport(Callback):
             if times.first_lr is None:
                 times.first_lr = lr
             times.peak_lr = max(times.peak_lr, lr)
-
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        self._t_before_backward = time.perf_counter()
-        if self._t_batch_start is not None:
-            self._times.forward.append(self._t_before_backward - self._t_batch_start)
-
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self._t_before_backward is not None:
-            self._times.backward.append(time.perf_counter() - self._t_before_backward)
+        if self._waits is not None:  # last: the window holds the step alone
+            self._waits.open()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._waits is not None:  # first: the checks below run collectives of their own
+            self._waits.close()
         self._batches += 1
         self._read_ddp_timings(trainer)
         if self._batches % self.check_every_n_steps == 0:
@@ -377,7 +380,16 @@ class PitfallReport(Callback):
         intervals = [b - a for a, b in zip(t.step_starts, t.step_starts[1:])]
         # the first interval includes the epoch's first fetch (worker start-up): leave it out
         fetch = t.fetch[1 : 1 + len(intervals)]
+        # the first steps include one-time work (FSDP's lazy init, DDP's probe, compilation): skip them
+        windows = self._waits.windows() if self._waits is not None else []
+        windows = windows[min(2, len(windows) - 1) :] if windows else []
+        ddp_exposed = statistics.median(t.ddp_exposed_comm) if t.ddp_exposed_comm else None
+        waited = statistics.median([w.waited for w in windows]) if windows else None
+        exposed = None if ddp_exposed is None and waited is None else (ddp_exposed or 0.0) + (waited or 0.0)
         return {
+            "ddp_exposed": ddp_exposed,
+            "waited": waited,
+            "recent_windows": windows[-16:],
             "rank": self._dp.rank if self._dp else 0,
             "steps": len(t.step_starts),
             "interval": statistics.median(intervals) if intervals else None,
@@ -385,11 +397,9 @@ class PitfallReport(Callback):
             "fetch_total": sum(fetch),
             "samples": sum(t.samples[: len(intervals)]),
             "batch": t.samples[0] if t.samples else None,
-            "compute_hooks": statistics.median([f + b for f, b in zip(t.forward, t.backward)])
-            if t.backward
-            else None,
+            "compute_steps": statistics.median([w.compute for w in windows]) if windows else None,
             "compute_ddp": statistics.median(t.ddp_compute) if t.ddp_compute else None,
-            "exposed_comm": statistics.median(t.ddp_exposed_comm) if t.ddp_exposed_comm else None,
+            "exposed_comm": exposed,
             "diverged": dict(t.diverged),
             "divergence_checks": t.divergence_checks,
             "first_lr": t.first_lr,
@@ -486,44 +496,45 @@ class PitfallReport(Callback):
 
     def _judge_comm(self, trainer: Any, ranks: list[dict]) -> Finding:
         check = "exposed communication"
-        if not any(r["exposed_comm"] is not None for r in ranks):
-            what = type(trainer.strategy).__name__
-            return Finding(
-                check,
-                "n/a",
-                f"measured from DDP's reducer timings (time backward waits for gradient all-reduces after its"
-                f" compute ends); {what} does not expose them",
-            )
         shares = [
             (r["rank"], r["exposed_comm"] / r["interval"])
             for r in ranks
             if r["exposed_comm"] is not None and r["interval"]
         ]
-        # A rank that waits for a slower one shows that wait as communication; the rank that arrives last
-        # waits for the transfer alone, so the smallest share is the cost of communication itself.
-        least_rank, least = min(shares, key=lambda s: s[1])
+        if not shares:
+            return Finding(check, "n/a", "fewer than two steps measured")
+        # A rank that reaches a collective first waits for the others as well as for the transfer; the
+        # rank that arrives last waits for the transfer alone. Collective by collective (wait timer), or
+        # rank by rank (DDP's reducer gives one total per step), the smallest wait is the communication
+        # itself; the rest is skew between ranks.
+        ddp = [r["ddp_exposed"] for r in ranks]
+        itself = min(ddp) if all(v is not None for v in ddp) else 0.0
+        transfers = transfer_waits([r["recent_windows"] for r in ranks])
+        if transfers:
+            itself += statistics.median(transfers)
+        elif all(r["waited"] is not None for r in ranks):
+            itself += min(r["waited"] for r in ranks)
+        share = itself / statistics.median([r["interval"] for r in ranks if r["interval"]])
         text = (
             "compute waits on collectives for "
             + ", ".join(f"rank {r} {s:.0%}" for r, s in shares)
-            + " of step time"
+            + f" of step time; the transfers themselves (the wait of the last rank to arrive) {share:.0%}"
         )
-        if max(s for _, s in shares) > 2 * least + 0.05:
-            text += f" (beyond rank {least_rank}'s share, ranks wait for slower ranks: see stragglers)"
-        if least > self.comm_share_limit:
+        if max(s for _, s in shares) > 2 * share + 0.05:
+            text += " (the rest: ranks waiting for slower ranks, see stragglers)"
+        if share > self.comm_share_limit:
             return Finding(
                 check,
                 "problem",
-                f"{text}; even the last rank to arrive waits {least:.0%} (above {self.comm_share_limit:.0%}):"
-                " the all-reduces are not hidden behind backward.",
-                "raise the per-rank batch (more compute per byte), accumulate gradients"
-                " (Trainer(accumulate_grad_batches=...)), compress gradients (ddp_tuned with"
-                " comm_hook='bf16'/'powersgd'), or let ddp_tuned size the buckets (bucket_cap_mb='auto').",
+                f"{text}, above {self.comm_share_limit:.0%}: the collectives are not hidden behind compute.",
+                _comm_fix(trainer.strategy),
             )
         return Finding(check, "ok", text + ".")
 
     def _judge_stragglers(self, ranks: list[dict]) -> Finding:
         check = "stragglers"
-        source = "compute_ddp" if all(r["compute_ddp"] is not None for r in ranks) else "compute_hooks"
+        # DDP's all-reduces run in C++, out of the wait timer's sight: its reducer times compute itself
+        source = "compute_ddp" if all(r["compute_ddp"] is not None for r in ranks) else "compute_steps"
         values = [(r["rank"], r[source]) for r in ranks if r[source] is not None]
         if len(values) < 2:
             return Finding(check, "n/a", "needs two ranks with measured steps")
@@ -593,6 +604,30 @@ class PitfallReport(Callback):
         return Finding(
             check, "ok", f"random augmentation {where} with a different random state on every rank."
         )
+
+
+def _comm_fix(strategy: Any) -> str:
+    """What to change when communication is exposed, for the strategy in use."""
+    kinds = {cls.__name__ for cls in type(strategy).__mro__}
+    common = "raise the per-rank batch (more compute per byte communicated)"
+    if "TensorParallelStrategy" in kinds or kinds & {"ModelParallelStrategy", "TransformerFSDPStrategy"} == {
+        "ModelParallelStrategy"
+    }:
+        return (
+            f"{common}, and keep each tensor-parallel group inside one node (fast links) or make it smaller"
+            " (TensorParallelStrategy(tensor_parallel_size=...)): it communicates in every block."
+        )
+    if "TransformerFSDPStrategy" in kinds or "FSDPStrategy" in kinds:
+        return (
+            f"{common} or accumulate gradients; shard within a node and replicate across nodes"
+            " (HybridShardStrategy, 'hsdp');"
+            " keep parameters gathered between forward and backward (reshard_after_forward=False, one"
+            " all-gather fewer per block); wrap larger blocks so fewer, larger collectives run."
+        )
+    return (
+        f"{common}, accumulate gradients (Trainer(accumulate_grad_batches=...)), compress gradients"
+        " (ddp_tuned with comm_hook='bf16'/'powersgd'), or let ddp_tuned size the buckets (bucket_cap_mb='auto')."
+    )
 
 
 def _ddp_module(trainer: Any) -> Any:

@@ -127,3 +127,117 @@ def faulty_communication(ctx) -> dict:
 def faulty_straggler(ctx) -> dict:
     module = MLP(DIM, HIDDEN, REPEAT, 0.01, slow_rank=1, seed_per_rank=True)
     return _run(ctx, module, BatchedData(24, BATCH, DIM), PitfallReport(check_every_n_steps=4))
+
+
+# --- sharded strategies: collectives run inside forward and backward, where DDP's reducer timings do
+# not reach; the wait timer measures them.
+class Block(torch.nn.Module):
+    def __init__(self, width: int, hidden: int, repeat: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, hidden)
+        self.fc2 = torch.nn.Linear(hidden, width)
+        self.repeat = repeat
+
+    def forward(self, x):
+        for _ in range(self.repeat):
+            x = x + self.fc2(torch.tanh(self.fc1(x)))
+        return x
+
+
+class BlockNet(MLP):
+    """``blocks`` residual blocks (fsdp_blocks shards each; tp_dp splits fc1 by columns, fc2 by rows)."""
+
+    def __init__(self, dim, width, hidden, blocks, repeat, lr, *, slow_rank=None):
+        L.LightningModule.__init__(self)
+        self.inp = torch.nn.Linear(dim, width)
+        self.blocks = torch.nn.ModuleList([Block(width, hidden, repeat) for _ in range(blocks)])
+        self.out = torch.nn.Linear(width, 1)
+        self.lr = lr
+        self.slow_rank = slow_rank
+        self.seed_per_rank = True
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.slow_rank is not None and dist.get_rank() == self.slow_rank:
+            time.sleep(0.06)
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return torch.nn.functional.mse_loss(self.out(h).mean(-2) if h.dim() == 3 else self.out(h), y)
+
+
+def fsdp_healthy(ctx) -> dict:
+    """fsdp_blocks on a compute-bound model: ~0.5 MB of parameters, 512 samples x 8 passes per block."""
+    from lit_parallel import TransformerFSDPStrategy
+
+    lr = scaled_learning_rate(BASE_LR, BATCH, BATCH * ctx.world_size, rule="linear")
+    module = BlockNet(DIM, HIDDEN, HIDDEN, 2, 8, lr)
+    report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
+    return _run(ctx, module, BatchedData(12, BATCH, DIM), report, strategy=TransformerFSDPStrategy())
+
+
+def fsdp_faulty_communication(ctx) -> dict:
+    """fsdp_blocks gathering and reduce-scattering 4 blocks of 2M parameters for 8 samples a step."""
+    from lit_parallel import TransformerFSDPStrategy
+
+    module = BlockNet(1024, 1024, 1024, 4, 1, 0.01)
+    report = PitfallReport(check_every_n_steps=4)
+    return _run(ctx, module, BatchedData(10, 8, 1024), report, strategy=TransformerFSDPStrategy())
+
+
+def fsdp_straggler(ctx) -> dict:
+    from lit_parallel import TransformerFSDPStrategy
+
+    module = BlockNet(DIM, HIDDEN, HIDDEN, 2, 4, 0.01, slow_rank=1)
+    report = PitfallReport(check_every_n_steps=4)
+    return _run(ctx, module, BatchedData(16, BATCH, DIM), report, strategy=TransformerFSDPStrategy())
+
+
+def tp_faulty_communication(ctx) -> dict:
+    """tp_dp (tensor_parallel_size=2): 8 narrow blocks, an all-reduce of the activations in each
+    block's forward and backward for little compute."""
+    from lit_parallel import TensorParallelStrategy
+
+    module = BlockNet(16, 16, 16, 8, 1, 0.01)
+    data = BatchedData(10, 8, 16)
+    data.x = data.x.unsqueeze(2).expand(-1, -1, 512, -1).contiguous()  # (batch, 512 tokens, 16)
+    report = PitfallReport(check_every_n_steps=4)
+    strategy = TensorParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    return _run(ctx, module, data, report, strategy=strategy)
+
+
+def wait_timer(ctx) -> dict:
+    """CollectiveWaitTimer without Lightning: rank 1 arrives 0.3 s late at a blocking all-reduce, then an
+    asynchronous all-reduce is waited on inside an outer timed wait (counted once), then a collective on
+    another thread (not timed)."""
+    import threading
+
+    from lit_parallel.parallel.waits import CollectiveWaitTimer
+
+    originals = (dist.all_reduce, dist.Work.__dict__["wait"])
+    timer = CollectiveWaitTimer("cpu").install()
+    wrapped = [dist.all_reduce is not originals[0], dist.Work.__dict__["wait"] is not originals[1]]
+    t = torch.ones(1000)
+    timer.open()
+    if ctx.rank == 1:
+        time.sleep(0.3)
+    dist.all_reduce(t)
+    work = dist.all_reduce(t, async_op=True)
+    dist.barrier(async_op=True).wait()
+    work.wait()
+    timer.close()
+    timer.open()
+    other = threading.Thread(target=lambda: dist.all_reduce(torch.ones(10)))
+    other.start()
+    other.join()
+    timer.close()
+    timer.uninstall()
+    restored = [dist.all_reduce is originals[0], dist.Work.__dict__["wait"] is originals[1]]
+    windows = timer.windows()
+    return {
+        "wrapped": wrapped,
+        "restored": restored,
+        "spans": [w.span for w in windows],
+        "waits": [list(w.waits) for w in windows],
+        "sum": t[0].item(),
+    }

@@ -1,0 +1,317 @@
+"""Measure exposed communication: the time compute waits on collectives, under any strategy.
+
+DDP reports this itself (its reducer times the all-reduces it could not hide behind backward). FSDP2,
+DTensor and user code do not, so :class:`CollectiveWaitTimer` times the points where compute waits:
+
+* on CPU the training thread runs the compute and blocks in the collective: the time it spends in a
+  blocking ``torch.distributed`` call (``async_op=False``), in ``Work.wait()`` or in a functional
+  collective's ``wait_tensor`` (DTensor's redistributions) is the time compute waits;
+* on CUDA the host does not block, the compute stream does: each wait point issued on the compute
+  stream records a CUDA event before and after it, and the time between the two is the stall. FSDP2
+  issues its collectives on side streams (not timed there) and makes the compute stream wait on their
+  events in ``FSDPParamGroup.wait_for_unshard``, ``_wait_for_post_backward`` and ``finalize_backward``:
+  on CUDA those are wait points too (``wait_for_unshard``'s window also holds the copy-out of the
+  gathered parameters, a memory copy).
+
+Only the thread that opened the window is timed, only the outermost wait point counts (a
+``Work.wait()`` inside a timed FSDP wait is not counted twice), and the wrappers are installed while
+at least one timer is installed, then removed (a wrapper another patcher has since wrapped is left in
+place, inert).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# blocking when called with async_op=False (the default)
+_COLLECTIVES = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+)
+# FSDP2 methods in which the compute stream waits on a collective stream's event (CUDA only)
+_FSDP_WAITS = ("wait_for_unshard", "_wait_for_post_backward", "finalize_backward")
+
+
+@dataclass(frozen=True)
+class Window:
+    """One timed window (a training step): its length, the part of it spent waiting on collectives, and
+    (for the most recent windows) each wait in the order the collectives were waited on."""
+
+    span: float
+    waited: float
+    waits: tuple[float, ...] = ()
+
+    @property
+    def compute(self) -> float:
+        """The window less its waits: the rank's own work."""
+        return max(0.0, self.span - self.waited)
+
+
+class _Local(threading.local):
+    depth = 0
+
+
+_local = _Local()
+_lock = threading.Lock()
+_timers: list[CollectiveWaitTimer] = []
+_installed: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original, wrapper)
+
+
+def _current() -> CollectiveWaitTimer | None:
+    thread = threading.get_ident()
+    for timer in _timers:
+        if timer._open and timer._thread == thread:
+            return timer
+    return None
+
+
+def _async_index(fn: Any) -> int | None:
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("async_op") if "async_op" in names else None
+
+
+def _wrap(fn: Any, *, kind: str) -> Any:
+    """``kind``: "collective" (timed unless async_op), "wait" (always timed), "cuda_wait" (CUDA only)."""
+    async_at = _async_index(fn) if kind == "collective" else None
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        timer = _current()
+        if timer is None or _local.depth:
+            return fn(*args, **kwargs)
+        if kind == "collective":
+            asynchronous = kwargs.get(
+                "async_op", async_at is not None and len(args) > async_at and args[async_at]
+            )
+            if asynchronous:  # a launch; its Work.wait() is the wait point
+                return fn(*args, **kwargs)
+        if kind == "cuda_wait" and not timer.cuda:
+            return fn(*args, **kwargs)
+        return timer._time(fn, args, kwargs)
+
+    timed.__lit_parallel_wait__ = True
+    return timed
+
+
+def _targets() -> list[tuple[Any, str, str]]:
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    out: list[tuple[Any, str, str]] = []
+    for name in _COLLECTIVES:
+        for module in (dist, c10d):
+            if hasattr(module, name):
+                out.append((module, name, "collective"))
+    out.append((dist.Work, "wait", "wait"))
+    out.append((funcol, "wait_tensor", "wait"))
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:  # pragma: no cover - FSDP2 moved: CUDA FSDP waits go untimed
+        FSDPParamGroup = None
+    if FSDPParamGroup is not None:
+        out.extend(
+            (FSDPParamGroup, name, "cuda_wait") for name in _FSDP_WAITS if hasattr(FSDPParamGroup, name)
+        )
+    return out
+
+
+def _install() -> None:
+    wrapped: dict[int, Any] = {}  # one wrapper per function (dist.x is c10d.x)
+    for owner, name, kind in _targets():
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        if getattr(original, "__lit_parallel_wait__", False):
+            continue
+        if id(original) not in wrapped:
+            wrapped[id(original)] = _wrap(original, kind=kind)
+        setattr(owner, name, wrapped[id(original)])
+        _installed.append((owner, name, original, wrapped[id(original)]))
+
+
+def _uninstall() -> None:
+    for owner, name, original, wrapper in reversed(_installed):
+        current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if current is wrapper:
+            setattr(owner, name, original)
+    _installed.clear()
+
+
+class CollectiveWaitTimer:
+    """Times, per window, how long compute waited on collectives on the calling thread (or CUDA stream).
+
+    Use :meth:`install` once, then :meth:`open` / :meth:`close` around each step and read
+    :meth:`windows`; :meth:`uninstall` at the end. On CUDA only every ``cuda_every``-th window (and the
+    first three) is measured, and a measured window's events are read when the next window opens or in
+    :meth:`windows` (which waits for them).
+
+    Example::
+
+        timer = CollectiveWaitTimer(device).install()
+        for batch in loader:
+            timer.open(); step(batch); timer.close()
+        exposed = [w.waited for w in timer.windows()]
+
+    A rank that reaches a collective before the others waits for them as well as for the transfer; the
+    rank that arrives last waits for the transfer alone. :func:`transfer_waits` takes, collective by
+    collective, the smallest wait over the ranks: the communication itself, without the skew.
+    """
+
+    def __init__(
+        self, device: torch.device | str = "cpu", *, cuda_every: int = 10, keep_waits: int = 32
+    ) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.cuda_every = max(1, int(cuda_every))
+        self.keep_waits = keep_waits
+        self._open = False
+        self._thread: int | None = None
+        self._count = 0
+        self._t0 = 0.0
+        self._waits: list[float] = []
+        self._stream: Any = None
+        self._events: list[Any] = []  # CUDA: start, (before, after)*, end
+        self._pending: list[list[Any]] = []
+        self._windows: list[Window] = []
+        self._installed = False
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def install(self) -> CollectiveWaitTimer:
+        with _lock:
+            if not self._installed:
+                if not _timers:
+                    _install()
+                _timers.append(self)
+                self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        with _lock:
+            if self._installed:
+                self._open = False
+                _timers.remove(self)
+                self._installed = False
+                if not _timers:
+                    _uninstall()
+
+    # -------------------------------------------------------------------------------- windows
+    def open(self) -> bool:
+        """Start a window on this thread; returns whether it is measured (always on CPU)."""
+        self._count += 1
+        self._resolve(block=False)
+        measured = not self.cuda or self._count <= 3 or self._count % self.cuda_every == 0
+        if not measured:
+            return False
+        self._thread = threading.get_ident()
+        self._waits = []
+        if self.cuda:
+            self._stream = torch.cuda.current_stream(self.device)
+            self._events = [self._record()]
+        self._open = True
+        self._t0 = time.perf_counter()
+        return True
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        if self.cuda:
+            self._events.append(self._record())
+            self._pending.append(self._events)
+            self._events = []
+        else:
+            self._add(time.perf_counter() - self._t0, self._waits)
+
+    def windows(self) -> list[Window]:
+        """The measured windows since the last :meth:`clear` (waits for pending CUDA events)."""
+        self._resolve(block=True)
+        return list(self._windows)
+
+    def clear(self) -> None:
+        self._resolve(block=True)
+        self._windows.clear()
+
+    # --------------------------------------------------------------------------------- timing
+    def _record(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self._stream)
+        return event
+
+    def _time(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        if self.cuda and torch.cuda.current_stream(self.device) != self._stream:
+            return fn(*args, **kwargs)  # issued on a side stream: a launch, not a wait of compute
+        _local.depth += 1
+        try:
+            if self.cuda:
+                before = self._record()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._events.extend((before, self._record()))
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._waits.append(time.perf_counter() - start)
+        finally:
+            _local.depth -= 1
+
+    def _resolve(self, *, block: bool) -> None:
+        while self._pending:
+            events = self._pending[0]
+            if not block and not events[-1].query():
+                return
+            events[-1].synchronize()
+            self._pending.pop(0)
+            span = events[0].elapsed_time(events[-1]) / 1e3
+            self._add(span, [a.elapsed_time(b) / 1e3 for a, b in zip(events[1:-1:2], events[2:-1:2])])
+
+    def _add(self, span: float, waits: list[float]) -> None:
+        self._windows.append(Window(span, sum(waits), tuple(waits)))
+        if len(self._windows) > self.keep_waits:  # older windows keep their totals only
+            old = self._windows[-self.keep_waits - 1]
+            self._windows[-self.keep_waits - 1] = Window(old.span, old.waited)
+
+
+def transfer_waits(ranks: list[list[Window]]) -> list[float]:
+    """Per window, the time waited on the transfers themselves: for each collective, the wait of the rank
+    that arrived last (the smallest over ``ranks``), summed over the window's collectives.
+
+    ``ranks`` holds every rank's windows for the same steps; windows whose wait sequences do not line up
+    (a different number of collectives, or no sequence kept) are left out.
+    """
+    out: list[float] = []
+    for windows in zip(*ranks):
+        lengths = {len(w.waits) for w in windows}
+        if len(lengths) != 1 or (lengths == {0} and any(w.waited for w in windows)):
+            continue
+        out.append(sum(min(column) for column in zip(*(w.waits for w in windows))))
+    return out
