@@ -33,6 +33,7 @@ SCENARIOS = [
     "precision_modes",
     "checkpointing_compile_offload",
     "clip_mixed_dtensor",
+    "prebuilt_dtensors",
 ]
 
 
@@ -262,3 +263,18 @@ def test_lightning_launcher_string_names_and_repeated_trainers(tmp_path):
         assert_rel_close(torch.tensor(r["second_losses"]), torch.tensor(r["first"]["losses"]), rel=1e-6)
         # hsdp on one node has a single replica: the same (data_parallel, tensor_parallel) mesh, reused
         assert r["same_mesh"] is True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_model_sharded_in_configure_model_is_refused_with_the_fix(run):
+    out = run.scenario("prebuilt_dtensors")[0]
+    assert out["TransformerFSDPStrategy"].startswith(
+        "TransformerFSDPStrategy shards the model itself, but configure_model already produced DTensor"
+    )
+    assert (
+        "Remove that code from configure_model, or use Lightning's ModelParallelStrategy"
+        in (out["TransformerFSDPStrategy"])
+    )
+    assert out["TensorParallelStrategy"].startswith("TensorParallelStrategy parallelizes the model itself")
+    assert "configure_model (pass your own plan=... instead), or use" in out["TensorParallelStrategy"]

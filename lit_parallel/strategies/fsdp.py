@@ -323,16 +323,22 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
 
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, trainer: pl.Trainer) -> None:
-        assert self.model is not None
+    def _refuse_prebuilt_dtensors(self, does: str = "shards", other_fix: str = "") -> None:
+        """The strategy parallelizes the model itself: DTensor parameters from configure_model are refused."""
         from torch.distributed.tensor import DTensor
 
+        assert self.model is not None
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             raise TypeError(
-                f"{type(self).__name__} shards the model itself, but configure_model already produced"
+                f"{type(self).__name__} {does} the model itself, but configure_model already produced"
                 " DTensor parameters (fully_shard / parallelize_module). Remove that code from"
-                " configure_model, or use Lightning's ModelParallelStrategy for hand-written parallelism."
+                f" configure_model{other_fix}, or use Lightning's ModelParallelStrategy for hand-written"
+                " parallelism."
             )
+
+    def _parallelize(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        self._refuse_prebuilt_dtensors()
         # bf16-true / 16-true: cast before sharding so the shards are stored in half precision.
         self.model = self.precision_plugin.convert_module(self.model)
         blocks = find_transformer_blocks(self.model, self._block_types)

@@ -238,15 +238,8 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
 
     @override
     def _parallelize(self, trainer: pl.Trainer) -> None:
-        from torch.distributed.tensor import DTensor
-
         assert self.model is not None
-        if any(isinstance(p, DTensor) for p in self.model.parameters()):
-            raise TypeError(
-                f"{type(self).__name__} parallelizes the model itself, but configure_model already produced"
-                " DTensor parameters. Remove that code from configure_model, pass your own plan=..., or use"
-                " Lightning's ModelParallelStrategy for hand-written parallelism."
-            )
+        self._refuse_prebuilt_dtensors("parallelizes", other_fix=" (pass your own plan=... instead)")
         self.model = self.precision_plugin.convert_module(self.model)
         blocks = find_transformer_blocks(self.model, self._block_types)
         plan = self.tp_plan if self.tp_plan is not None else self._make_plan(self.model, blocks)

@@ -397,6 +397,26 @@ def clip_mixed_dtensor(ctx) -> dict:
     }
 
 
+def prebuilt_dtensors(ctx) -> dict:
+    """fsdp_blocks and tp_dp parallelize the model themselves: a model that configure_model already
+    sharded is refused, with what to do instead."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lit_parallel import TensorParallelStrategy, TransformerFSDPStrategy
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (ctx.world_size,)))
+    out = {}
+    for strategy in (TransformerFSDPStrategy(), TensorParallelStrategy()):
+        strategy.model = model
+        try:
+            strategy._parallelize(None)
+        except TypeError as err:
+            out[type(strategy).__name__] = str(err)
+    return out
+
+
 # --- launch B: 4 ranks ----------------------------------------------------------------------------------
 
 
