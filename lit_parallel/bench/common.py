@@ -1,4 +1,5 @@
-"""Pieces every benchmark program shares: the per-step probe and ratio statistics."""
+"""Pieces every benchmark program shares: the per-step probe, ratio statistics, and the GPT model of the
+fsdp and tp benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 
 import lightning as L
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from lit_parallel.parallel.comm import CommCounter
 
@@ -65,3 +68,69 @@ def launch_and_report(module: str, args, forwarded: list[str], print_report) -> 
 def median_ratio(a: list[float], b: list[float]) -> float:
     """Median over repeats of ``a[i] / b[i]``: ratios of variants that ran back to back."""
     return statistics.median(x / y for x, y in zip(a, b))
+
+
+# --- the GPT of `bench fsdp` and `bench tp` ---------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads  # tp_dp divides it by the TP size: the view below then sees local heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, dim: int, heads: int, layers: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def make_gpt(args) -> GPT:
+    """The benchmark GPT from ``args`` (vocab, seq, dim, heads, layers), seeded: identical on every rank."""
+    torch.manual_seed(0)
+    return GPT(args.vocab, args.seq, args.dim, args.heads, args.layers)
+
+
+class GPTBench(L.LightningModule):
+    """Next-token cross-entropy on :func:`make_gpt`, AdamW."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.model = make_gpt(args)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)

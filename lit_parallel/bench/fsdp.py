@@ -109,73 +109,10 @@ def print_report(result: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------- model
 
 
-def _make_model(args):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = nn.Linear(args.dim, 3 * args.dim)
-            self.proj = nn.Linear(args.dim, args.dim)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            q, k, v = self.qkv(x).view(b, t, 3, args.heads, c // args.heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(args.dim), nn.LayerNorm(args.dim)
-            self.attn = Attention()
-            self.mlp = nn.Sequential(
-                nn.Linear(args.dim, 4 * args.dim), nn.GELU(), nn.Linear(4 * args.dim, args.dim)
-            )
-
-        def forward(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok = nn.Embedding(args.vocab, args.dim)
-            self.pos = nn.Embedding(args.seq, args.dim)
-            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
-            self.ln_f = nn.LayerNorm(args.dim)
-            self.head = nn.Linear(args.dim, args.vocab, bias=False)
-
-        def forward(self, idx):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-    torch.manual_seed(0)
-    return GPT()
-
-
 def _lightning_module(args, hand_sharded: bool):
-    import lightning as L
-    import torch
-    import torch.nn.functional as F
+    from lit_parallel.bench.common import GPTBench
 
-    class Bench(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = _make_model(args)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class HandSharded(Bench):
+    class HandSharded(GPTBench):
         def configure_model(self):
             # What a user writes for Lightning's ModelParallelStrategy.
             from torch.distributed.fsdp import fully_shard
@@ -185,7 +122,7 @@ def _lightning_module(args, hand_sharded: bool):
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
-    return HandSharded() if hand_sharded else Bench()
+    return HandSharded(args) if hand_sharded else GPTBench(args)
 
 
 # ----------------------------------------------------------------------------------------- ranks
@@ -195,6 +132,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from lit_parallel.bench.common import make_gpt
     from lit_parallel.launch import write_result
 
     use_gpu = args.accelerator == "gpu"
@@ -217,7 +155,7 @@ def _worker(args: argparse.Namespace) -> int:
             times[variant].append(statistics.median(step_times[args.warmup :]))
             measured.setdefault(variant, info)
     if dist.get_rank() == 0:
-        params = sum(p.numel() for p in _make_model(args).parameters())
+        params = sum(p.numel() for p in make_gpt(args).parameters())
         zero3 = 16 * params / n
         med = {v: statistics.median(times[v]) for v in VARIANTS}
         ddp_sent = measured["ddp_tuned"]["sent"]

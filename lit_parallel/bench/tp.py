@@ -129,79 +129,6 @@ def print_report(result: dict[str, Any]) -> None:
     console.print(f"per-repeat medians (s): {result['per_repeat']}")
 
 
-# ----------------------------------------------------------------------------------------- model
-
-
-def _make_model(args):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.heads = args.heads  # tp_dp divides it by the TP size: the view below then sees local heads
-            self.qkv = nn.Linear(args.dim, 3 * args.dim)
-            self.proj = nn.Linear(args.dim, args.dim)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(args.dim), nn.LayerNorm(args.dim)
-            self.attn = Attention()
-            self.mlp = nn.Sequential(
-                nn.Linear(args.dim, 4 * args.dim), nn.GELU(), nn.Linear(4 * args.dim, args.dim)
-            )
-
-        def forward(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok = nn.Embedding(args.vocab, args.dim)
-            self.pos = nn.Embedding(args.seq, args.dim)
-            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
-            self.ln_f = nn.LayerNorm(args.dim)
-            self.head = nn.Linear(args.dim, args.vocab, bias=False)
-
-        def forward(self, idx):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-    torch.manual_seed(0)
-    return GPT()
-
-
-def _lightning_module(args):
-    import lightning as L
-    import torch
-    import torch.nn.functional as F
-
-    class Bench(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = _make_model(args)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    return Bench()
-
-
 # ----------------------------------------------------------------------------------------- ranks
 
 
@@ -209,6 +136,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from lit_parallel.bench.common import make_gpt
     from lit_parallel.launch import write_result
 
     use_gpu = args.accelerator == "gpu"
@@ -237,7 +165,7 @@ def _worker(args: argparse.Namespace) -> int:
                 "config": {
                     "devices": n,
                     "backend": backend,
-                    "params": sum(p.numel() for p in _make_model(args).parameters()),
+                    "params": sum(p.numel() for p in make_gpt(args).parameters()),
                     "dim": args.dim,
                     "heads": args.heads,
                     "layers": args.layers,
@@ -273,7 +201,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     from torch.utils.data import DataLoader
 
     from lit_parallel import TensorParallelStrategy, TransformerFSDPStrategy
-    from lit_parallel.bench.common import StepProbe
+    from lit_parallel.bench.common import GPTBench, StepProbe
     from lit_parallel.parallel import local_parameter_bytes
 
     n = dist.get_world_size()
@@ -294,7 +222,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
         enable_model_summary=False,
         callbacks=[probe],
     )
-    module = _lightning_module(args)
+    module = GPTBench(args)
     # The same global batch for every variant: each data-parallel rank takes 1/dp of it (Lightning's
     # sampler shards over the data-parallel ranks only).
     trainer.fit(module, DataLoader(data, batch_size=args.global_batch // (n // tp)))
