@@ -1,0 +1,85 @@
+"""Reliability options (debug level, watchdog, preemption signal) and their validation."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+log = logging.getLogger("lit_parallel")
+
+DEBUG_LEVELS = ("off", "info", "detail")
+RNG_KEY = "lit_parallel_rng_states"
+LAUNCHER_PID_ENV = "LIT_PARALLEL_LAUNCHER_PID"
+# how long a failing rank waits for the others' answers before it reports a timeout or a divergence
+REPORT_WAIT_S = 2.0
+POLL_S = 0.2
+
+DebugLevel = Literal["off", "info", "detail"]
+PreemptionSignal = Literal["auto"] | int | signal.Signals | str | None
+
+
+def _info(msg: str) -> None:
+    if rank_zero_only.rank == 0:
+        log.info(msg)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class ReliabilityOptions:
+    """The reliability options every lit_parallel strategy accepts (validated when the strategy is built).
+
+    Args:
+        debug_level: ``None`` (default): keep torch's setting (``TORCH_DISTRIBUTED_DEBUG``). ``"detail"``: every
+            collective is first checked across ranks (operation, shapes, dtypes); ranks that call different
+            collectives fail at once with torch's "Detected mismatch between collectives on ranks" instead
+            of hanging or exchanging wrong data. Costs one extra small all-gather per collective: turn it on to
+            debug. ``"info"``: extra logging; ``"off"``: none.
+        watchdog: under Lightning's own launcher, end every rank when one fails (see the module docstring).
+        preemption_signal: ``"auto"`` (default): in a SLURM job (Lightning's ``SLURMEnvironment``, or torchrun
+            inside a SLURM allocation), SLURM's requeue signal (``SIGUSR1``, or the environment's
+            ``requeue_signal``; off when its ``auto_requeue`` is off); otherwise off. A signal (``"SIGUSR1"``,
+            ``signal.SIGUSR2``, ...) turns preemption checkpoints on anywhere; ``None`` turns them off.
+    """
+
+    debug_level: DebugLevel | None = None
+    watchdog: bool = True
+    preemption_signal: PreemptionSignal = "auto"
+
+    def __post_init__(self) -> None:
+        if self.debug_level is not None and self.debug_level not in DEBUG_LEVELS:
+            raise ValueError(
+                f"debug_level={self.debug_level!r} must be None (keep TORCH_DISTRIBUTED_DEBUG), 'off', 'info' or"
+                " 'detail' (check that every rank runs the same collective)"
+            )
+        if not isinstance(self.watchdog, bool):
+            raise ValueError(f"watchdog={self.watchdog!r} must be True or False")
+        object.__setattr__(self, "preemption_signal", _parse_signal(self.preemption_signal))
+
+
+def _parse_signal(value: Any) -> Any:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"preemption_signal={value!r} must be 'auto', None or a signal such as 'SIGUSR1'")
+    if isinstance(value, str):
+        name = value.upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if not hasattr(signal, name) or not isinstance(getattr(signal, name), signal.Signals):
+            raise ValueError(
+                f"preemption_signal={value!r} is not a signal name; use 'auto', None or e.g. 'SIGUSR1'"
+            )
+        return getattr(signal, name)
+    try:
+        return signal.Signals(value)
+    except ValueError:
+        raise ValueError(
+            f"preemption_signal={value!r} is not a signal number; use 'auto', None or e.g. 'SIGUSR1'"
+        ) from None
