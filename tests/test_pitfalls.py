@@ -10,7 +10,7 @@ import torch
 
 from lit_parallel.callbacks import learning_rate_rule, per_rank_seed, scaled_learning_rate
 from lit_parallel.callbacks.pitfalls import Finding, PitfallReport, format_table
-from lit_parallel.parallel.waits import Window, transfer_waits
+from lit_parallel.parallel.waits import Window, span_and_waits, transfer_waits
 from tests.harness import launch
 
 SCENARIOS = [
@@ -91,6 +91,24 @@ def test_transfer_waits_takes_the_last_arrival_per_collective():
     # windows whose sequences were not kept (only totals) are left out too, empty ones count as zero
     assert transfer_waits([[Window(1.0, 0.5)], [Window(1.0, 0.2)]]) == []
     assert transfer_waits([[Window(1.0, 0.0)], [Window(1.0, 0.0)]]) == [0.0]
+
+
+class _RecordedAt:
+    """Stands in for a recorded torch.cuda.Event (no GPU here): only the arithmetic is under test."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, end: _RecordedAt) -> float:
+        return end.ms - self.ms
+
+
+def test_cuda_event_pairs_become_span_and_waits():
+    # window from 0 to 20 ms; waits from 2 to 5 ms and from 11 to 12.5 ms
+    events = [_RecordedAt(t) for t in (0.0, 2.0, 5.0, 11.0, 12.5, 20.0)]
+    span, waits = span_and_waits(events)
+    assert span == pytest.approx(0.020) and waits == pytest.approx([0.003, 0.0015])
+    assert span_and_waits([_RecordedAt(1.0), _RecordedAt(4.0)]) == (pytest.approx(0.003), [])
 
 
 # ------------------------------------------------------------------------------------ 2 gloo ranks

@@ -25,6 +25,7 @@ import functools
 import inspect
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,14 +292,20 @@ class CollectiveWaitTimer:
                 return
             events[-1].synchronize()
             self._pending.pop(0)
-            span = events[0].elapsed_time(events[-1]) / 1e3
-            self._add(span, [a.elapsed_time(b) / 1e3 for a, b in zip(events[1:-1:2], events[2:-1:2])])
+            self._add(*span_and_waits(events))
 
     def _add(self, span: float, waits: list[float]) -> None:
         self._windows.append(Window(span, sum(waits), tuple(waits)))
         if len(self._windows) > self.keep_waits:  # older windows keep their totals only
             old = self._windows[-self.keep_waits - 1]
             self._windows[-self.keep_waits - 1] = Window(old.span, old.waited)
+
+
+def span_and_waits(events: Sequence[Any]) -> tuple[float, list[float]]:
+    """Seconds from CUDA events recorded as ``start, (before, after) per wait point, end``: the window's
+    span and each wait (``elapsed_time`` is in milliseconds)."""
+    span = events[0].elapsed_time(events[-1]) / 1e3
+    return span, [a.elapsed_time(b) / 1e3 for a, b in zip(events[1:-1:2], events[2:-1:2])]
 
 
 def transfer_waits(ranks: list[list[Window]]) -> list[float]:
