@@ -167,11 +167,11 @@ class BlockNet(MLP):
 
 
 def fsdp_healthy(ctx) -> dict:
-    """fsdp_blocks on a compute-bound model: ~0.5 MB of parameters, 512 samples x 8 passes per block."""
+    """fsdp_blocks on a compute-bound model: ~0.5 MB of parameters, 512 samples x 12 passes per block."""
     from lit_parallel import TransformerFSDPStrategy
 
     lr = scaled_learning_rate(BASE_LR, BATCH, BATCH * ctx.world_size, rule="linear")
-    module = BlockNet(DIM, HIDDEN, HIDDEN, 2, 8, lr)
+    module = BlockNet(DIM, HIDDEN, HIDDEN, 2, 12, lr)
     report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
     return _run(ctx, module, BatchedData(12, BATCH, DIM), report, strategy=TransformerFSDPStrategy())
 
