@@ -219,9 +219,9 @@ def bench_model() -> torch.nn.Module:
     """The benchmark's GPT: fused qkv viewed as (3, heads, head_dim), not split with chunk()."""
     from argparse import Namespace
 
-    from lit_parallel.bench.tp import _make_model
+    from lit_parallel.bench.common import make_gpt
 
-    return _make_model(Namespace(dim=32, heads=4, layers=2, vocab=VOCAB, seq=SEQ))
+    return make_gpt(Namespace(dim=32, heads=4, layers=2, vocab=VOCAB, seq=SEQ))
 
 
 def comm_counts(ctx) -> dict:
