@@ -51,6 +51,23 @@ class StepProbe(L.Callback):
         return [b - a for a, b in zip(self.ends, self.ends[1:])]
 
 
+def bench_trainer(args, strategy, use_gpu: bool, callbacks: list, max_steps: int | None = None) -> L.Trainer:
+    """A quiet Trainer on every rank of the running group, for ``args.warmup + args.steps`` steps."""
+    import torch.distributed as dist
+
+    return L.Trainer(
+        accelerator="gpu" if use_gpu else "cpu",
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=max_steps or args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
 def launch_and_report(module: str, args, forwarded: list[str], print_report) -> int:
     """Run ``module``'s worker on ``args.devices`` ranks, print rank 0's result, write it to ``args.json``."""
     import json

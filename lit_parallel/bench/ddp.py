@@ -223,32 +223,15 @@ def _lightning_module(args):
     return Bench()
 
 
-def _trainer(args, strategy, use_gpu, callbacks, max_steps=None):
-    import lightning as L
-    import torch.distributed as dist
-
-    return L.Trainer(
-        accelerator="gpu" if use_gpu else "cpu",
-        devices=dist.get_world_size(),
-        strategy=strategy,
-        max_steps=max_steps or args.warmup + args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-
-
 def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lit_parallel import TunedDDPStrategy
-    from lit_parallel.bench.common import StepProbe
+    from lit_parallel.bench.common import StepProbe, bench_trainer
 
     timer = StepProbe(args.warmup, use_gpu)
     strategy = TunedDDPStrategy() if variant == "ddp_tuned" else DDPStrategy()
-    trainer = _trainer(args, strategy, use_gpu, [timer])
+    trainer = bench_trainer(args, strategy, use_gpu, [timer])
     trainer.fit(_lightning_module(args), _loader(args, data))
     info = {}
     if variant == "ddp_tuned":
@@ -262,6 +245,7 @@ def _count_bytes_lightning(args, data, use_gpu) -> int:
     import lightning as L
 
     from lit_parallel import TunedDDPStrategy
+    from lit_parallel.bench.common import bench_trainer
     from lit_parallel.parallel.comm import CollectiveStats, count_collectives
 
     stats, per_step = CollectiveStats(), []
@@ -274,7 +258,7 @@ def _count_bytes_lightning(args, data, use_gpu) -> int:
             per_step.append(stats.bytes["all_reduce"])
 
     strategy = TunedDDPStrategy(comm_hook="allreduce", find_unused_parameters=False)
-    trainer = _trainer(args, strategy, use_gpu, [Count()], max_steps=2)
+    trainer = bench_trainer(args, strategy, use_gpu, [Count()], max_steps=2)
     with count_collectives(stats):
         trainer.fit(_lightning_module(args), _loader(args, data))
     return per_step[-1]

@@ -196,13 +196,12 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
-    import lightning as L
     import torch.distributed as dist
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lit_parallel import TransformerFSDPStrategy, TunedDDPStrategy
-    from lit_parallel.bench.common import StepProbe
+    from lit_parallel.bench.common import StepProbe, bench_trainer
     from lit_parallel.parallel.memory import training_state_bytes
 
     n = dist.get_world_size()
@@ -213,17 +212,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     else:
         strategy = TunedDDPStrategy()
     probe = StepProbe(args.warmup, use_gpu)
-    trainer = L.Trainer(
-        accelerator="gpu" if use_gpu else "cpu",
-        devices=n,
-        strategy=strategy,
-        max_steps=args.warmup + args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-    )
+    trainer = bench_trainer(args, strategy, use_gpu, [probe])
     module = _lightning_module(args, hand_sharded=variant == "lightning_mp")
     sampler = DistributedSampler(data, num_replicas=n, rank=dist.get_rank(), seed=0)
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, sampler=sampler))

@@ -196,12 +196,11 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
-    import lightning as L
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
     from lit_parallel import TensorParallelStrategy, TransformerFSDPStrategy
-    from lit_parallel.bench.common import GPTBench, StepProbe
+    from lit_parallel.bench.common import GPTBench, StepProbe, bench_trainer
     from lit_parallel.parallel import local_parameter_bytes
 
     n = dist.get_world_size()
@@ -211,17 +210,7 @@ def _lightning_run(args, data, variant, use_gpu) -> tuple[list[float], dict]:
     else:
         strategy = TensorParallelStrategy(tensor_parallel_size=tp, sequence_parallel=variant == "tp_dp_sp")
     probe = StepProbe(args.warmup, use_gpu)
-    trainer = L.Trainer(
-        accelerator="gpu" if use_gpu else "cpu",
-        devices=n,
-        strategy=strategy,
-        max_steps=args.warmup + args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-    )
+    trainer = bench_trainer(args, strategy, use_gpu, [probe])
     module = GPTBench(args)
     # The same global batch for every variant: each data-parallel rank takes 1/dp of it (Lightning's
     # sampler shards over the data-parallel ranks only).
