@@ -7,13 +7,8 @@ from lit_parallel.callbacks.data_parallel import (
     data_parallel_group,
 )
 from lit_parallel.callbacks.metrics import CrossRankMetrics, current_sample_indices, gather_by_index
-from lit_parallel.callbacks.pitfalls import (
-    Finding,
-    PitfallReport,
-    learning_rate_rule,
-    per_rank_seed,
-    scaled_learning_rate,
-)
+from lit_parallel.callbacks.pitfall_checks import learning_rate_rule, per_rank_seed, scaled_learning_rate
+from lit_parallel.callbacks.pitfalls import Finding, PitfallReport
 from lit_parallel.callbacks.set_epoch import SetEpochCheck
 from lit_parallel.callbacks.sync_batchnorm import SyncBatchNormConversion
 
