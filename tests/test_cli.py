@@ -99,6 +99,13 @@ def test_bench_all_writes_one_json_and_png_plots(tmp_path):
     assert f"wrote {tmp_path / 'step_time.png'}" in res.stdout
 
 
+def test_benchmark_variants_rotate_between_repeats():
+    from lit_parallel.bench.common import rotated
+
+    # every variant once per repeat, each repeat starting one variant later
+    assert "".join(rotated(("a", "b", "c"), 4)) == "abc" + "bca" + "cab" + "abc"
+
+
 def test_bench_plots_draw_every_quantity_a_benchmark_reports(tmp_path):
     pytest.importorskip("matplotlib")
     from lit_parallel.bench import plot

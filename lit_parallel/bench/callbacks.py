@@ -129,17 +129,14 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import os
 
     import torch
     import torch.distributed as dist
 
+    from lit_parallel.bench.common import init_ranks, rotated
     from lit_parallel.launch import write_result
 
-    use_gpu = args.accelerator == "gpu"
-    dist.init_process_group("nccl" if use_gpu else "gloo")
-    if use_gpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    use_gpu = init_ranks(args.accelerator).type == "cuda"
     world = dist.get_world_size()
     n_train = world * args.batch_size * args.steps
     # a validation set that does not divide the world size, so CrossRankMetrics has padding to remove
@@ -152,10 +149,8 @@ def _worker(args: argparse.Namespace) -> int:
         torch.randn(n_val, args.width, generator=g), torch.randint(0, 10, (n_val,), generator=g)
     )
     raw: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    for rep in range(args.repeats):
-        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-        for variant in order:
-            raw[variant].append(_one_run(args, variant, train, val, use_gpu))
+    for variant in rotated(VARIANTS, args.repeats):
+        raw[variant].append(_one_run(args, variant, train, val, use_gpu))
     if dist.get_rank() == 0:
         variants = {}
         for v in VARIANTS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
 
 import lightning as L
 import torch
@@ -49,6 +50,36 @@ class StepProbe(L.Callback):
     @property
     def step_times(self) -> list[float]:
         return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+
+def init_ranks(accelerator: str) -> torch.device:
+    """The benchmark's process group (NCCL for ``"gpu"``, gloo for ``"cpu"``) and this rank's device."""
+    import os
+
+    import torch.distributed as dist
+
+    if accelerator == "gpu":
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def rotated(variants: tuple[str, ...], repeats: int) -> Iterator[str]:
+    """Every variant once per repeat, the order rotated from one repeat to the next, so drift on a busy
+    machine hits all variants alike."""
+    for rep in range(repeats):
+        k = rep % len(variants)
+        yield from variants[k:] + variants[:k]
+
+
+def token_dataset(vocab: int, seq: int, samples: int) -> torch.utils.data.TensorDataset:
+    """Seeded random token sequences as (input, next-token target) pairs, the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (samples, seq + 1), generator=g)
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
 def bench_trainer(args, strategy, use_gpu: bool, callbacks: list, max_steps: int | None = None) -> L.Trainer:

@@ -94,18 +94,13 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from lit_parallel.bench.common import median_ratio
+    from lit_parallel.bench.common import init_ranks, median_ratio, rotated
     from lit_parallel.launch import write_result
 
-    use_gpu = args.accelerator == "gpu"
-    backend = "nccl" if use_gpu else "gloo"
-    dist.init_process_group(backend)
+    device = init_ranks(args.accelerator)
+    use_gpu = device.type == "cuda"
+    backend = dist.get_backend()
     rank = dist.get_rank()
-    device = (
-        torch.device("cuda", int(__import__("os").environ["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
-    )
-    if use_gpu:
-        torch.cuda.set_device(device)
     steps_per_run = args.warmup + args.steps
     n_samples = args.devices * args.batch_size * steps_per_run
     g = torch.Generator().manual_seed(0)
@@ -114,16 +109,14 @@ def _worker(args: argparse.Namespace) -> int:
     )
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     tuned_info: dict[str, Any] = {}
-    for rep in range(args.repeats):
-        order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
-        for variant in order:
-            if variant == "plain_ddp":
-                step_times = _plain_loop(args, data, device)
-            else:
-                step_times, info = _lightning_run(args, data, variant, use_gpu)
-                if info:
-                    tuned_info = info
-            times[variant].append(statistics.median(step_times[args.warmup :]))
+    for variant in rotated(VARIANTS, args.repeats):
+        if variant == "plain_ddp":
+            step_times = _plain_loop(args, data, device)
+        else:
+            step_times, info = _lightning_run(args, data, variant, use_gpu)
+            if info:
+                tuned_info = info
+        times[variant].append(statistics.median(step_times[args.warmup :]))
     bytes_per_step = {
         "ddp_tuned": _count_bytes_lightning(args, data, use_gpu),
         "plain_ddp": _count_bytes_plain(args, data, device),

@@ -133,30 +133,21 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
 
-    from lit_parallel.bench.common import make_gpt
+    from lit_parallel.bench.common import init_ranks, make_gpt, rotated, token_dataset
     from lit_parallel.launch import write_result
 
-    use_gpu = args.accelerator == "gpu"
-    backend = "nccl" if use_gpu else "gloo"
-    dist.init_process_group(backend)
-    if use_gpu:
-        torch.cuda.set_device(int(__import__("os").environ["LOCAL_RANK"]))
+    use_gpu = init_ranks(args.accelerator).type == "cuda"
+    backend = dist.get_backend()
     n = dist.get_world_size()
-    samples = args.global_batch * (args.warmup + args.steps)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (samples, args.seq + 1), generator=g)
-    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    data = token_dataset(args.vocab, args.seq, args.global_batch * (args.warmup + args.steps))
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     measured: dict[str, dict] = {}
-    for rep in range(args.repeats):
-        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-        for variant in order:
-            step_times, info = _lightning_run(args, data, variant, use_gpu)
-            times[variant].append(statistics.median(step_times[args.warmup :]))
-            measured.setdefault(variant, info)
+    for variant in rotated(VARIANTS, args.repeats):
+        step_times, info = _lightning_run(args, data, variant, use_gpu)
+        times[variant].append(statistics.median(step_times[args.warmup :]))
+        measured.setdefault(variant, info)
     if dist.get_rank() == 0:
         med = {v: statistics.median(times[v]) for v in VARIANTS}
         write_result(

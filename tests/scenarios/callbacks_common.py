@@ -9,21 +9,11 @@ import lightning as L
 import torch
 from torch.utils.data import TensorDataset
 
+from tests.scenarios.common import quiet_trainer
+
 
 def make_trainer(ctx, **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=ctx.world_size,
-        strategy="ddp",
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    options.update(kwargs)
-    return L.Trainer(**options)
+    return quiet_trainer(ctx, kwargs.pop("strategy", "ddp"), **{"max_epochs": 2, **kwargs})
 
 
 class LinearModule(L.LightningModule):

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lit_parallel as lp
 from lit_parallel.parallel import CommCounter, clip_grad_norm_, full_state_dict, training_state_bytes
 from tests.models import GPT, GPTConfig, Llama, Seq2Seq
+from tests.scenarios.common import quiet_trainer as trainer
 
 VOCAB = 64
 SEQ = 8
@@ -112,22 +113,6 @@ class MetaLitModel(LitModel):
         with torch.device("meta"):
             self.model = GPT(GPTConfig(n_layer=self.n_layer))
         self.rng_state_at_init = torch.get_rng_state()
-
-
-def trainer(ctx, strategy, **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=ctx.nprocs,
-        num_nodes=ctx.world_size // ctx.nprocs,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    options.update(kwargs)
-    return L.Trainer(**options)
 
 
 def loader(dataset, batch_size: int = 2) -> DataLoader:

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import lit_parallel as lp
+from tests.scenarios.common import quiet_trainer
 from tests.scenarios.fsdp import LitModel, _full_on_rank0, _opt_state_on_rank0, lm_dataset
 
 BATCH = 2  # per rank
@@ -73,20 +74,7 @@ class NoisyLlama(LitModel):
 
 
 def trainer(ctx, strategy, **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=ctx.nprocs,
-        num_nodes=ctx.world_size // ctx.nprocs,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        max_epochs=EPOCHS,
-    )
-    options.update(kwargs)
-    return L.Trainer(**options)
+    return quiet_trainer(ctx, strategy, **{"max_epochs": EPOCHS, **kwargs})
 
 
 def loader(n: int = N_SAMPLES, **kwargs) -> DataLoader:

@@ -23,6 +23,7 @@ from lit_parallel.parallel import (
 )
 from lit_parallel.parallel.comm import CommCounter
 from tests.models import Llama
+from tests.scenarios.common import quiet_trainer as trainer
 from tests.tp_models import TPGPT
 
 VOCAB, SEQ, PER_RANK_BATCH, LR = 64, 8, 2, 0.1
@@ -68,22 +69,6 @@ class LitLM(L.LightningModule):
         return torch.optim.SGD(
             self.parameters(), lr=LR, momentum=MOMENTUM if self.optimizer == "momentum" else 0.0
         )
-
-
-def trainer(ctx, strategy, **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=ctx.nprocs,
-        num_nodes=ctx.world_size // ctx.nprocs,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    options.update(kwargs)
-    return L.Trainer(**options)
 
 
 def _full_on_rank0(module: torch.nn.Module) -> dict:
