@@ -317,7 +317,6 @@ class PitfallReport(Callback):
         windows = windows[min(2, len(windows) - 1) :] if windows else []
         ddp_exposed = statistics.median(t.ddp_exposed_comm) if t.ddp_exposed_comm else None
         waited = statistics.median([w.waited for w in windows]) if windows else None
-        exposed = None if ddp_exposed is None and waited is None else (ddp_exposed or 0.0) + (waited or 0.0)
         return {
             "ddp_exposed": ddp_exposed,
             "waited": waited,
@@ -331,7 +330,6 @@ class PitfallReport(Callback):
             "batch": t.samples[0] if t.samples else None,
             "compute_steps": statistics.median([w.compute for w in windows]) if windows else None,
             "compute_ddp": statistics.median(t.ddp_compute) if t.ddp_compute else None,
-            "exposed_comm": exposed,
             "diverged": dict(t.diverged),
             "divergence_checks": t.divergence_checks,
             "first_lr": t.first_lr,
@@ -428,10 +426,11 @@ class PitfallReport(Callback):
 
     def _judge_comm(self, trainer: Any, ranks: list[dict]) -> Finding:
         check = "exposed communication"
+        # each rank's own view: DDP's reducer waits plus every other collective the step waited on
         shares = [
-            (r["rank"], r["exposed_comm"] / r["interval"])
+            (r["rank"], ((r["ddp_exposed"] or 0.0) + (r["waited"] or 0.0)) / r["interval"])
             for r in ranks
-            if r["exposed_comm"] is not None and r["interval"]
+            if (r["ddp_exposed"] is not None or r["waited"] is not None) and r["interval"]
         ]
         if not shares:
             return Finding(check, "n/a", "fewer than two steps measured")

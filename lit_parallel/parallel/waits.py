@@ -202,24 +202,21 @@ class CollectiveWaitTimer:
         self._events: list[Any] = []  # CUDA: start, (before, after)*, end
         self._pending: list[list[Any]] = []
         self._windows: list[Window] = []
-        self._installed = False
 
     # ------------------------------------------------------------------------------ lifecycle
     def install(self) -> CollectiveWaitTimer:
         with _lock:
-            if not self._installed:
+            if self not in _timers:
                 if not _timers:
                     _install()
                 _timers.append(self)
-                self._installed = True
         return self
 
     def uninstall(self) -> None:
         with _lock:
-            if self._installed:
+            if self in _timers:
                 self._open = False
                 _timers.remove(self)
-                self._installed = False
                 if not _timers:
                     _uninstall()
 
