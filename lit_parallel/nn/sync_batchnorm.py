@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from lit_parallel._compat import BatchNormBase as _BatchNorm
 
 
 class _AllReduceSum(torch.autograd.Function):

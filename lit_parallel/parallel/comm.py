@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lit_parallel._compat import TorchDispatchMode, resolve_process_group
 
 # collective -> the argument holding what this rank sends
 _COUNTED = {
@@ -188,11 +189,11 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         if func.namespace == "c10d":
-            kind = _KINDS.get(func._schema.name.split("::", 1)[1])
+            kind = _KINDS.get(_op_name(func))
             if kind is not None:
                 self.records.append(Collective(kind, self._payload(kind, args), _group_size(args)))
         elif func.namespace == "_c10d_functional":  # DTensor redistribution, functional collectives
-            record = _functional_record(func._schema.name.split("::", 1)[1], args)
+            record = _functional_record(_op_name(func), args)
             if record is not None:
                 self.records.append(record)
         return func(*args, **kwargs)
@@ -221,15 +222,17 @@ class CommCounter(TorchDispatchMode):
         self.records.clear()
 
 
-def _functional_group_size(group: Any) -> int:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+def _op_name(func: Any) -> str:
+    # "c10d::allreduce_" (name() adds ".overload" for overloads other than the default)
+    return func.name().split("::", 1)[1].split(".", 1)[0]
 
+
+def _functional_group_size(group: Any) -> int:
     if isinstance(group, dist.ProcessGroup):
         return group.size()
     if isinstance(group, torch.ScriptObject):
         return dist.ProcessGroup.unbox(group).size()
-    return _resolve_process_group(group).size()
+    return resolve_process_group(group).size()
 
 
 def _functional_record(name: str, args: tuple) -> Collective | None:

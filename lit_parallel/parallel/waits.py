@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lit_parallel import _compat
+
 # blocking when called with async_op=False (the default)
 _COLLECTIVES = (
     "all_reduce",
@@ -56,8 +58,6 @@ _COLLECTIVES = (
     "gather_object",
     "scatter_object_list",
 )
-# FSDP2 methods in which the compute stream waits on a collective stream's event (CUDA only)
-_FSDP_WAITS = ("wait_for_unshard", "_wait_for_post_backward", "finalize_backward")
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,6 @@ def _wrap(fn: Any, *, kind: str) -> Any:
 
 
 def _targets() -> list[tuple[Any, str, str]]:
-    import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
 
     out: list[tuple[Any, str, str]] = []
@@ -134,15 +133,12 @@ def _targets() -> list[tuple[Any, str, str]]:
             if hasattr(module, name):
                 out.append((module, name, "collective"))
     out.append((dist.Work, "wait", "wait"))
-    out.append((funcol, "wait_tensor", "wait"))
+    out.append((_compat.functional_collectives, "wait_tensor", "wait"))
     try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    except ImportError:  # pragma: no cover - FSDP2 moved: CUDA FSDP waits go untimed
-        FSDPParamGroup = None
-    if FSDPParamGroup is not None:
-        out.extend(
-            (FSDPParamGroup, name, "cuda_wait") for name in _FSDP_WAITS if hasattr(FSDPParamGroup, name)
-        )
+        group = _compat.FSDPParamGroup
+    except ImportError:  # pragma: no cover - FSDP2 moved (test_compat fails): CUDA FSDP waits go untimed
+        return out
+    out.extend((group, name, "cuda_wait") for name in _compat.FSDP_WAIT_METHODS if hasattr(group, name))
     return out
 
 

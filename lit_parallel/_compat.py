@@ -1,0 +1,499 @@
+"""The one place lit_parallel reaches into private torch / Lightning names.
+
+Every private name the package uses is an entry of :data:`ENTRIES`: what it is used for, the versions it
+was checked with, and the public alternative where one exists (none of them does the job yet, or the
+entry would not be here). ``tests/test_compat.py`` resolves every entry, so an upgrade that moves or
+removes one fails in that test, naming the entry, instead of somewhere in a training run.
+
+Three kinds of entry:
+
+* a name this module hands out (``from lit_parallel._compat import tree_flatten``): resolved on first
+  use, so importing this module imports neither Lightning nor the heavier torch submodules
+  (``lit_parallel.parallel`` imports this module and must not import Lightning);
+* an accessor function for a private attribute or method of a torch / Lightning object
+  (:func:`attached_trainer`, :func:`flatten_mesh`, ...): the entry names the class and the attribute;
+* a check only (names with a ``.``, e.g. ``"DDPStrategy._ddp_kwargs"``): protected state and hooks of
+  the torch / Lightning classes that our subclasses extend (``self._ddp_kwargs``,
+  ``super()._configure_launcher()``). Code must reach those through ``self``/``super()``, so they are
+  not handed out here, only checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+CHECKED = "torch 2.13.0, lightning 2.6.6"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One private name: ``target`` is ``"module:qualname"`` (``"module:"`` for the module itself);
+    ``attributes`` are private members that ``target`` (a class) must have."""
+
+    target: str
+    used_for: str
+    public: str = "none"
+    attributes: tuple[str, ...] = ()
+    checked: str = CHECKED
+
+
+_C10D = "torch.distributed.distributed_c10d"
+_DCP = "torch.distributed.checkpoint"
+_FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
+_LAUNCHER = "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
+
+# FSDP2 methods in which the compute stream waits on a collective stream's event (parallel/waits.py).
+FSDP_WAIT_METHODS = ("wait_for_unshard", "_wait_for_post_backward", "finalize_backward")
+
+ENTRIES: dict[str, Entry] = {
+    # --- torch: names handed out ---------------------------------------------------------------------
+    "BatchNormBase": Entry(
+        "torch.nn.modules.batchnorm:_BatchNorm",
+        "base of every BatchNorm layer: nn/sync_batchnorm subclasses it; callbacks find BatchNorm layers",
+        "isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)) misses user"
+        " subclasses of _BatchNorm",
+    ),
+    "TorchDispatchMode": Entry(
+        "torch.utils._python_dispatch:TorchDispatchMode",
+        "parallel/comm.CommCounter: sees every c10d op, also those issued from C++ (DDP's reducer, FSDP2)",
+        "torch.overrides.TorchFunctionMode is public but does not see ops issued from C++",
+    ),
+    "tree_flatten": Entry(
+        "torch.utils._pytree:tree_flatten",
+        "the tensors inside nested args/outputs (parallel/tensor_parallel, parallel/tp_trace)",
+        "none in torch 2.13 (there is no torch.utils.pytree)",
+    ),
+    "tree_map": Entry(
+        "torch.utils._pytree:tree_map", "parallel/tp_trace: tag every tensor of a nested output", "none"
+    ),
+    "resolve_process_group": Entry(
+        f"{_C10D}:_resolve_process_group",
+        "parallel/comm: the size of the group a functional collective (DTensor) names by string",
+    ),
+    "get_default_store": Entry(
+        f"{_C10D}:_get_default_store",
+        "reliability: the rendezvous store carries stall reports and a retry's fresh rendezvous keys",
+        "none (a separate TCPStore would need its own port)",
+    ),
+    "set_pg_timeout": Entry(
+        f"{_C10D}:_set_pg_timeout",
+        "reliability: the strategy's timeout on groups torch created with its default (mesh sub-groups)",
+        "none (timeout= of init_process_group / new_group / init_device_mesh applies at creation only)",
+    ),
+    "foreach_mul_": Entry(
+        "torch:_foreach_mul_",
+        "parallel/fsdp: scale local gradient shards in place, one kernel per device (gradient clipping)",
+        "torch.nn.utils.clip_grads_with_norm_ takes parameters, not local shards of DTensor gradients",
+    ),
+    "functional_collectives": Entry(
+        "torch.distributed._functional_collectives:",
+        "parallel/waits: wait_tensor is where compute waits on a DTensor redistribution; it is patched",
+    ),
+    "FSDPParamGroup": Entry(
+        _FSDP_PARAM_GROUP,
+        "parallel/waits: its wait methods (FSDP_WAIT_METHODS) are where CUDA compute waits on FSDP2",
+        attributes=FSDP_WAIT_METHODS,
+    ),
+    "MEM_FORMAT_ENCODING": Entry(
+        f"{_DCP}.metadata:_MEM_FORMAT_ENCODING",
+        "checkpoint: a class pickled in DCP's .metadata, allowed when it is read with weights_only=True",
+    ),
+    "StorageInfo": Entry(
+        f"{_DCP}.filesystem:_StorageInfo", "checkpoint: as MEM_FORMAT_ENCODING (pickled in .metadata)"
+    ),
+    "get_layout": Entry(
+        "torch.serialization:_get_layout", "checkpoint: as MEM_FORMAT_ENCODING (pickled in .metadata)"
+    ),
+    "set_element": Entry(
+        f"{_DCP}._traverse:set_element",
+        "checkpoint: a planner that loads non-tensor entries with weights_only=True puts them in place",
+    ),
+    "EmptyStateDictLoadPlanner": Entry(
+        f"{_DCP}.default_planner:_EmptyStateDictLoadPlanner",
+        "checkpoint.load_sharded: builds the state dict from the metadata (as dcp_to_torch_save does)",
+        "none (dcp.format_utils.dcp_to_torch_save writes a file and reads everything)",
+    ),
+    "load_state_dict": Entry(
+        f"{_DCP}.state_dict_loader:_load_state_dict",
+        "checkpoint.load_sharded: load into one process without a process group",
+        "dcp.load(no_dist=True) warns and fills only keys already in the state dict (ours starts empty)",
+    ),
+    # --- torch: accessors -----------------------------------------------------------------------------
+    "all_process_groups": Entry(
+        f"{_C10D}:_world", "reliability: every process group of this rank", attributes=("pg_map",)
+    ),
+    "flatten_mesh": Entry(
+        "torch.distributed.device_mesh:DeviceMesh",
+        "parallel/mesh: the flattened data_parallel dimension of (replicate, shard)",
+        attributes=("_flatten",),
+    ),
+    "storage_key": Entry(
+        "torch:UntypedStorage",
+        "parallel/advisor, activations: identity of a storage, also on meta (where data_ptr() is 0)",
+        "untyped_storage().data_ptr() is 0 for every meta storage",
+        attributes=("_cdata",),
+    ),
+    "undo_compile": Entry(
+        "torch.nn:Module",
+        "strategies/ddp: revert nn.Module.compile() (the probe step runs uncompiled)",
+        attributes=("_compiled_call_impl",),
+    ),
+    "ddp_logging_data": Entry(
+        "torch.nn.parallel:DistributedDataParallel",
+        "callbacks/pitfalls: DDP's own timing of the all-reduce it could not hide behind backward",
+        attributes=("_get_ddp_logging_data", "_set_ddp_runtime_logging_sample_rate"),
+    ),
+    # --- torch: checks only (base-class members our subclasses and op matchers rely on) ---------------
+    "ColwiseParallel._partition_linear_fn": Entry(
+        "torch.distributed.tensor.parallel:ColwiseParallel",
+        "parallel/tensor_parallel.FusedColwiseParallel permutes rows, then calls super()",
+        attributes=("_partition_linear_fn",),
+    ),
+    "SequenceParallel._prepare_input_fn": Entry(
+        "torch.distributed.tensor.parallel:SequenceParallel",
+        "parallel/tensor_parallel.SequenceParallelNorm: SequenceParallel with a gathered output",
+        attributes=("_prepare_input_fn", "_replicate_module_fn", "_apply"),
+    ),
+    "_BatchNorm._check_input_dim": Entry(
+        "torch.nn.modules.batchnorm:_BatchNorm",
+        "nn/sync_batchnorm.SyncBatchNorm overrides and calls it",
+        attributes=("_check_input_dim",),
+    ),
+    "c10d private op names": Entry(
+        "torch:ops.c10d",
+        "parallel/comm: CommCounter classifies c10d ops by name",
+        attributes=("_allgather_base_", "_reduce_scatter_base_"),
+    ),
+    "_c10d_functional ops": Entry(
+        "torch:ops._c10d_functional",
+        "parallel/comm: CommCounter classifies DTensor's functional collectives by name",
+        attributes=(
+            "all_reduce",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "broadcast",
+            "wait_tensor",
+        ),
+    ),
+    # --- Lightning: names handed out (resolved on first use: importing this module imports no Lightning)
+    "SubprocessScriptLauncher": Entry(
+        _LAUNCHER,
+        "reliability: Lightning's own launcher, subclassed to add a watchdog",
+        "none (Strategy._configure_launcher builds it; Lightning has no public launcher class for DDP)",
+    ),
+    "launch_process_observer": Entry(
+        "lightning.fabric.strategies.launchers.subprocess_script:_launch_process_observer",
+        "reliability: Lightning's observer that kills the other ranks when one dies",
+    ),
+    "set_num_threads_if_needed": Entry(
+        "lightning.fabric.utilities.distributed:_set_num_threads_if_needed",
+        "reliability: OMP_NUM_THREADS per rank, as Lightning's launcher sets it",
+    ),
+    "init_dist_connection": Entry(
+        "lightning.fabric.utilities.distributed:_init_dist_connection",
+        "reliability: create the process group as Lightning would (cluster environment, MASTER_ADDR/PORT)",
+        "torch.distributed.init_process_group without the cluster environment's settings",
+    ),
+    "distributed_checkpoint_save": Entry(
+        "lightning.fabric.strategies.model_parallel:_distributed_checkpoint_save",
+        "reliability: ModelParallelStrategy.save_checkpoint's write, under a temporary name",
+        "torch.distributed.checkpoint.save without Lightning's state conversion and meta.pt",
+    ),
+    "sync_module_states": Entry(
+        "lightning.pytorch.overrides.distributed:_sync_module_states",
+        "strategies/ddp: every rank holds rank 0's weights before the probe step",
+        "none public (torch.distributed.utils._sync_module_states is private too)",
+    ),
+    "optimizers_to_device": Entry(
+        "lightning.fabric.utilities.optimizer:_optimizers_to_device",
+        "strategies/fsdp: optimizer state on the root device, as ModelParallelStrategy.setup does",
+    ),
+    # --- Lightning: accessors -------------------------------------------------------------------------
+    "attached_trainer": Entry(
+        "lightning.pytorch:LightningModule",
+        "strategies, reliability: the Trainer or None (lm.trainer raises when none is attached)",
+        "lm.trainer (raises when detached); writing: lm.trainer = ... (also sets child LightningModules)",
+        attributes=("_trainer",),
+    ),
+    "set_device_mesh": Entry(
+        "lightning.pytorch:LightningModule",
+        "strategies/fsdp: lm.device_mesh, as ModelParallelStrategy.setup_environment sets it",
+        "none (LightningModule.device_mesh is read-only)",
+        attributes=("_device_mesh",),
+    ),
+    "process_group_backend": Entry(
+        "lightning.pytorch.strategies:DDPStrategy",
+        "reliability: the backend the strategy will create its process group with",
+        "strategy.process_group_backend is None until the group exists",
+        attributes=("_get_process_group_backend",),
+    ),
+    "saves_distributed_checkpoint": Entry(
+        "lightning.pytorch.strategies:ModelParallelStrategy",
+        "reliability/checkpoints: whether save_checkpoint writes DCP shards or one file",
+        "none (the constructor argument save_distributed_checkpoint is stored privately)",
+        attributes=("_save_distributed_checkpoint",),
+    ),
+    "set_trainer_strategy": Entry(
+        "lightning.pytorch:Trainer",
+        "strategies/auto: AutoStrategy hands the Trainer the strategy it chose",
+        "none (Trainer.strategy is read-only; the connector picks the strategy when the Trainer is built)",
+        attributes=("_accelerator_connector",),
+    ),
+    "should_accumulate": Entry(
+        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
+        "strategies/ddp, reliability: whether this batch only accumulates (no optimizer step)",
+        attributes=("_should_accumulate",),
+    ),
+    "hpc_save_path": Entry(
+        "lightning.pytorch.trainer.connectors.checkpoint_connector:_CheckpointConnector",
+        "reliability: the path Lightning's own SLURM requeue saves to (hpc_ckpt_N.ckpt)",
+        attributes=("hpc_save_path",),
+    ),
+    "Trainer._checkpoint_connector": Entry(
+        "lightning.pytorch:Trainer",
+        "hpc_save_path reaches the connector",
+        attributes=("_checkpoint_connector",),
+    ),
+    "combined_loader": Entry(
+        "lightning.pytorch.loops.evaluation_loop:_EvaluationLoop",
+        "callbacks/metrics: the dataloaders of the loop now running",
+        "trainer.val_dataloaders prefers fit's loop over validate's, whichever is running",
+        attributes=("_combined_loader",),
+    ),
+    "disable_layer_sync": Entry(
+        "lightning.pytorch.strategies:ParallelStrategy",
+        "callbacks/sync_batchnorm: Trainer(sync_batchnorm=True) would convert our layers again",
+        attributes=("_layer_sync",),
+    ),
+    "set_launcher": Entry(
+        "lightning.pytorch.strategies:Strategy",
+        "reliability: the watched launcher replaces the one Strategy._configure_launcher built",
+        "none (Strategy.launcher is read-only)",
+        attributes=("_launcher",),
+    ),
+    "hand_over_lightning_state": Entry(
+        "lightning.pytorch.strategies:ParallelStrategy",
+        "strategies/auto: the chosen strategy takes over what the connector and Trainer.fit set on AutoStrategy",
+        "public setters cover accelerator, precision, devices and cluster environment; not these",
+        attributes=("_launcher", "_lightning_module", "_layer_sync", "_checkpoint_io"),
+    ),
+    # --- Lightning: checks only (protected state and hooks of the strategies we subclass) -------------
+    "DDPStrategy protected": Entry(
+        "lightning.pytorch.strategies:DDPStrategy",
+        "strategies/ddp, auto, reliability: TunedDDPStrategy wraps the model itself and changes DDP kwargs",
+        attributes=(
+            "_ddp_kwargs",
+            "_setup_model",
+            "_register_ddp_hooks",
+            "_get_process_group_backend",
+            "_configure_launcher",
+            "_timeout",
+            "_launcher",
+            "_precision_plugin",
+            "_layer_sync",
+            "_accelerator",
+            "_checkpoint_io",
+            "_lightning_module",
+            "_parallel_devices",
+        ),
+    ),
+    "ModelParallelStrategy protected": Entry(
+        "lightning.pytorch.strategies:ModelParallelStrategy",
+        "strategies/fsdp, reliability: fsdp_blocks builds the mesh itself and checks the launch",
+        attributes=(
+            "_setup_distributed",
+            "_configure_launcher",
+            "_device_mesh",
+            "_timeout",
+            "_precision_plugin",
+            "_save_distributed_checkpoint",
+            "_get_process_group_backend",
+            "_launcher",
+            "_lightning_module",
+            "_layer_sync",
+            "_checkpoint_io",
+            "_accelerator",
+            "_parallel_devices",
+        ),
+    ),
+    "_SubprocessScriptLauncher protected": Entry(
+        _LAUNCHER,
+        "reliability: the watched launcher starts the ranks",
+        attributes=("_call_children_scripts",),
+    ),
+    "metric_progress": Entry(
+        "torchmetrics:Metric",
+        "callbacks/metrics: a forward outside the gathered evaluation must not count (torchmetrics 1.9.0)",
+        "metric.update_count reads the count; neither can be written publicly",
+        attributes=("_update_count", "_computed"),
+    ),
+}
+
+
+def _import_target(target: str) -> Any:
+    module_name, _, qualname = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _has_member(obj: Any, name: str) -> bool:
+    if hasattr(obj, name):
+        return True
+    # instance state: assigned in a method of the class or of one of its bases
+    for cls in getattr(obj, "__mro__", ())[:-1]:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\bself\.{re.escape(name)}\b|[\"']{re.escape(name)}[\"']", source):
+            return True
+    return False
+
+
+def check(name: str) -> Any:
+    """Resolve entry ``name`` (its target and attributes); raise ImportError naming the entry if gone."""
+    entry = ENTRIES[name]
+    try:
+        obj = _import_target(entry.target)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(_message(name, entry, f"{entry.target} is gone ({err})")) from err
+    missing = [a for a in entry.attributes if not _has_member(obj, a)]
+    if missing:
+        raise ImportError(_message(name, entry, f"{entry.target} has no {', '.join(missing)}"))
+    return obj
+
+
+def _message(name: str, entry: Entry, what: str) -> str:
+    return (
+        f"lit_parallel._compat entry {name!r}: {what}. Used for: {entry.used_for}. Checked with"
+        f" {entry.checked}; public alternative: {entry.public}"
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # Handed-out names resolve on first use and are then cached, so that importing this module stays cheap
+    # and Lightning-free. (Accessor functions are ordinary globals and never reach this hook.)
+    if name not in ENTRIES or not name.isidentifier():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = check(name)
+    globals()[name] = value
+    return value
+
+
+# --- accessors -------------------------------------------------------------------------------------------
+
+
+def all_process_groups() -> list[Any]:
+    """Every process group of this rank (torch's registry of them)."""
+    return list(check("all_process_groups").pg_map)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """The 1-D mesh spanning all dimensions of ``mesh`` (a sub-mesh), named ``name``."""
+    return mesh._flatten(name)
+
+
+def storage_key(tensor: Any) -> int:
+    """Identity of ``tensor``'s storage (several views of one storage share it; works on meta)."""
+    return tensor.untyped_storage()._cdata
+
+
+def undo_compile(module: Any) -> None:
+    """Undo ``module.compile()``: its calls run the eager ``forward`` again."""
+    module._compiled_call_impl = None
+
+
+def ddp_logging_data(ddp: Any, sample_rate: int | None = None) -> dict[str, Any]:
+    """DDP's own runtime statistics; ``sample_rate``: sample its timers every that many iterations."""
+    if sample_rate is not None:
+        ddp._set_ddp_runtime_logging_sample_rate(sample_rate)
+    return ddp._get_ddp_logging_data()
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` (a LightningModule) is attached to, or None."""
+    return getattr(module, "_trainer", None)
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """What ``module.device_mesh`` returns (a LightningModule's mesh is set by its strategy)."""
+    module._device_mesh = mesh
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend ``strategy`` (DDPStrategy or ModelParallelStrategy) creates its process group with."""
+    return strategy._get_process_group_backend()
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether ``strategy`` (a ModelParallelStrategy) saves sharded DCP checkpoints."""
+    return strategy._save_distributed_checkpoint
+
+
+def set_launcher(strategy: Any, launcher: Any) -> None:
+    """Make ``launcher`` the one ``strategy`` starts its processes with."""
+    strategy._launcher = launcher
+
+
+def hand_over_lightning_state(source: Any, target: Any) -> None:
+    """Give strategy ``target`` what ``source`` holds without public setters: the launcher (it holds the
+    other ranks), the attached model, the layer sync and a ``CheckpointIO`` plugin (if one was given)."""
+    target._launcher = source.launcher
+    target._lightning_module = source.lightning_module
+    target._layer_sync = source._layer_sync
+    if source._checkpoint_io is not None:
+        target.checkpoint_io = source._checkpoint_io
+
+
+def set_trainer_strategy(trainer: Any, strategy: Any) -> None:
+    """Make ``strategy`` the Trainer's strategy from now on (``Trainer.strategy`` has no setter)."""
+    trainer._accelerator_connector.strategy = strategy
+
+
+def should_accumulate(trainer: Any) -> bool:
+    """Whether the current training batch only accumulates gradients (no optimizer step follows)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def hpc_save_path(trainer: Any, folder: str) -> str:
+    """The path Lightning's SLURM requeue saves its checkpoint to (``hpc_ckpt_N.ckpt`` in ``folder``)."""
+    return trainer._checkpoint_connector.hpc_save_path(folder)
+
+
+def combined_loader(loop: Any) -> Any:
+    """The ``CombinedLoader`` of an evaluation loop, or None before it has one."""
+    return getattr(loop, "_combined_loader", None)
+
+
+def disable_layer_sync(strategy: Any) -> bool:
+    """Stop Lightning converting BatchNorm layers (``Trainer(sync_batchnorm=True)``); whether it would have."""
+    if getattr(strategy, "_layer_sync", None) is None:
+        return False
+    strategy._layer_sync = None
+    return True
+
+
+def metric_progress(metric: Any) -> tuple[int, Any]:
+    """A torchmetrics ``Metric``'s update count and cached result, to put back with :func:`restore_metric_progress`."""
+    return metric._update_count, metric._computed
+
+
+def restore_metric_progress(metric: Any, progress: tuple[int, Any]) -> None:
+    metric._update_count, metric._computed = progress
+
+
+__all__ = [  # the handed-out names resolve through __getattr__
+    "CHECKED",
+    "ENTRIES",
+    "FSDP_WAIT_METHODS",
+    "Entry",
+    "check",
+    "restore_metric_progress",
+    *(name for name in ENTRIES if name.isidentifier()),
+]
