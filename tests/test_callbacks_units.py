@@ -12,7 +12,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from lit_parallel.callbacks import data_parallel_group, gather_by_index
 from lit_parallel.callbacks.fingerprints import batch_fingerprints
 from lit_parallel.callbacks.metrics import _EvalTap, _padding_plan
-from lit_parallel.callbacks.samplers import add_tap, reached_by_lightning, remove_tap, sampler_chain
+from lit_parallel.callbacks.samplers import (
+    add_tap,
+    index_sampler,
+    reached_by_lightning,
+    remove_tap,
+    sampler_chain,
+)
 from lit_parallel.nn import SyncBatchNorm
 
 
@@ -50,6 +56,7 @@ def test_sampler_chain_finds_samplers_under_any_attribute():
 
 def test_tap_sees_indices_and_keeps_identity_type_and_pickling():
     sampler = BatchSampler(SequentialSampler(range(5)), batch_size=2, drop_last=False)
+    loader = DataLoader(list(range(5)), batch_sampler=sampler, collate_fn=list)
     seen = []
 
     def tap(s, it):
@@ -57,14 +64,17 @@ def test_tap_sees_indices_and_keeps_identity_type_and_pickling():
             seen.append(item)
             yield item
 
-    assert add_tap(sampler, tap)
+    assert add_tap(loader, tap)
+    # the user's sampler is left as it was; the loader's reference to it iterates it through the tap
     assert isinstance(sampler, BatchSampler) and type(sampler).__name__ == "BatchSampler"
-    assert list(sampler) == [[0, 1], [2, 3], [4]] and seen == [[0, 1], [2, 3], [4]]
-    clone = pickle.loads(pickle.dumps(sampler))
+    assert index_sampler(loader) is sampler and loader.batch_sampler.sampler is sampler.sampler
+    assert list(loader) == [[0, 1], [2, 3], [4]] and seen == [[0, 1], [2, 3], [4]]
+    assert len(loader) == 3 and loader.batch_sampler.batch_size == 2
+    clone = pickle.loads(pickle.dumps(loader.batch_sampler))
     assert type(clone) is BatchSampler and list(clone) == [[0, 1], [2, 3], [4]]
-    assert type(copy.deepcopy(sampler)) is BatchSampler
-    remove_tap(sampler, tap)
-    assert type(sampler) is BatchSampler
+    assert type(copy.deepcopy(loader.batch_sampler)) is BatchSampler
+    remove_tap(loader, tap)
+    assert type(sampler) is BatchSampler and loader.batch_sampler is sampler
 
 
 @pytest.mark.parametrize(
@@ -80,8 +90,9 @@ def test_eval_tap_removes_exactly_the_distributed_sampler_repeats(n, world, batc
         padding, problem = _padding_plan(sampler, ds)
         assert problem is None
         tap = _EvalTap(padding, counts_samples=True)
-        add_tap(sampler, tap)
-        batches = list(sampler)
+        loader = DataLoader(data, batch_sampler=sampler)
+        add_tap(loader, tap)
+        batches = list(loader.batch_sampler)
         batches_per_rank.append(len(batches))
         assert len(batches) == len(tap.batches) == -(-ds.num_samples // batch)  # no batch lost
         for samples in tap.batches:

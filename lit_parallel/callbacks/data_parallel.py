@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DP = "data_parallel"
+from lit_parallel.parallel.mesh import DP, DP_REPLICATE, DP_SHARD
+
 # Mesh dimensions whose ranks read different samples; any other dimension (tensor_parallel, ...) holds
 # ranks that read the same samples.
-DATA_PARALLEL_DIMS = ("data_parallel", "data_parallel_replicate", "data_parallel_shard")
+DATA_PARALLEL_DIMS = (DP, DP_REPLICATE, DP_SHARD)
 
 
 class ParallelTrainingWarning(UserWarning):

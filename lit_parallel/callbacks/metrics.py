@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,11 +15,13 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DistributedSampler
 
+from lit_parallel._compat import combined_loader, metric_progress, restore_metric_progress
 from lit_parallel.callbacks.data_parallel import (
     DataParallelGroup,
     ParallelTrainingWarning,
     data_parallel_group,
 )
+from lit_parallel.callbacks.patching import patch_attribute
 from lit_parallel.callbacks.samplers import (
     add_dataloader_hook,
     add_tap,
@@ -108,7 +110,8 @@ class _Exclusion:
 
     def __init__(self) -> None:
         self.module: Any = None
-        self.metrics: list[Any] = []
+        self.undo_log: Callable[[], None] | None = None
+        self.undo_metrics: list[Callable[[], None]] = []
         self.inside = 0
         self.batch: Any = None
         self.batch_size: int | None = None
@@ -144,13 +147,14 @@ class _Exclusion:
                     arguments["value"] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else 0.0
             return original_log(*bound.args, **bound.kwargs)
 
-        pl_module.log = log
+        self.undo_log = patch_attribute(pl_module, "log", log)
 
     def detach(self) -> None:
         self.set_batch(None, excluded=False)
-        if self.module is not None:
-            self.module.__dict__.pop("log", None)
-            self.module = None
+        if self.undo_log is not None:
+            self.undo_log()
+            self.undo_log = None
+        self.module = None
 
     def set_batch(self, batch: Any, excluded: bool) -> None:
         self.batch = batch
@@ -158,16 +162,13 @@ class _Exclusion:
         if excluded and not self.excluded and self.module is not None:
             from torchmetrics import Metric
 
-            self.metrics = [m for m in self.module.modules() if isinstance(m, Metric)]
-            for metric in self.metrics:
-                self._wrap(metric)
+            for metric in self.module.modules():
+                if isinstance(metric, Metric):
+                    self._wrap(metric)
         elif not excluded and self.excluded:
-            for metric in self.metrics:
-                metric.__dict__.pop("forward", None)
-                update = metric.__dict__.get("update")
-                if getattr(update, "_lp_original", None) is not None:
-                    metric.update = update._lp_original
-            self.metrics = []
+            for undo in reversed(self.undo_metrics):
+                undo()
+            self.undo_metrics = []
         self.excluded = excluded and self.module is not None
 
     def _wrap(self, metric: Any) -> None:
@@ -190,9 +191,8 @@ class _Exclusion:
                 self.inside -= 1
                 _restore_metric_states(saved)
 
-        update._lp_original = original_update
-        metric.update = update
-        metric.forward = forward
+        self.undo_metrics.append(patch_attribute(metric, "update", update))
+        self.undo_metrics.append(patch_attribute(metric, "forward", forward))
 
 
 def _reduction(reduce_fx: Any) -> str:
@@ -212,19 +212,18 @@ def _metric_states(metric: Any) -> list[tuple[Any, dict, int, Any]]:
     for m in metric.modules():
         if isinstance(m, Metric):
             states = {}
-            for attr in m._defaults:
+            for attr in m.metric_state:
                 value = getattr(m, attr)
                 states[attr] = value.clone() if isinstance(value, torch.Tensor) else list(value)
-            saved.append((m, states, m._update_count, m._computed))
+            saved.append((m, states, metric_progress(m)))
     return saved
 
 
-def _restore_metric_states(saved: list[tuple[Any, dict, int, Any]]) -> None:
-    for m, states, count, computed in saved:
+def _restore_metric_states(saved: list[tuple[Any, dict, tuple[int, Any]]]) -> None:
+    for m, states, progress in saved:
         for attr, value in states.items():
             setattr(m, attr, value)
-        m._update_count = count
-        m._computed = computed
+        restore_metric_progress(m, progress)
 
 
 class CrossRankMetrics(Callback):
@@ -268,8 +267,8 @@ class CrossRankMetrics(Callback):
         self._exclusion.detach()
         self._trainer = None
         remove_dataloader_hook(trainer, self._on_dataloader)
-        for sampler, tap in self._tapped:
-            remove_tap(sampler, tap)
+        for dataloader, tap in self._tapped:
+            remove_tap(dataloader, tap)
         self._tapped.clear()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -294,18 +293,12 @@ class CrossRankMetrics(Callback):
                 " every sample and metrics synchronized across ranks count each sample"
                 f" {dp.size} times. Fix: keep Trainer(use_distributed_sampler=True) (the default)."
             )
-        existing = find_tap(sampler, _EvalTap)
+        existing = find_tap(dataloader, _EvalTap)
         if existing is not None:
-            remove_tap(sampler, existing)
+            remove_tap(dataloader, existing)
         tap = _EvalTap(padding, dp.counts_samples)
-        if add_tap(sampler, tap):
-            self._tapped.append((sampler, tap))
-        elif padding is not None:
-            self._warn_once(
-                f"CrossRankMetrics: cannot see the indices of {type(sampler).__name__} (its class does not allow"
-                " it), so the DistributedSampler padding repeats stay in the metrics. Fix: use a plain"
-                " BatchSampler."
-            )
+        if add_tap(dataloader, tap):
+            self._tapped.append((dataloader, tap))
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._dp = data_parallel_group(trainer.strategy)
@@ -347,8 +340,7 @@ class CrossRankMetrics(Callback):
         loaders = _eval_dataloaders(trainer)
         if dataloader_idx >= len(loaders):
             return None
-        sampler = index_sampler(loaders[dataloader_idx])
-        tap = find_tap(sampler, _EvalTap) if sampler is not None else None
+        tap = find_tap(loaders[dataloader_idx], _EvalTap)
         if tap is None or batch_idx >= len(tap.batches):
             return None
         return tap.batches[batch_idx]
@@ -379,8 +371,11 @@ def _padding_plan(sampler: Any, ds: Any) -> tuple[_Padding | None, str | None]:
     padding = _Padding(int(ds.rank), int(ds.num_replicas), length)
     if sampler is ds:
         return padding, None
-    cls = type(sampler).__dict__.get("_lp_untapped_class", type(sampler))
-    if isinstance(sampler, BatchSampler) and cls.__iter__ is BatchSampler.__iter__ and sampler.sampler is ds:
+    if (
+        isinstance(sampler, BatchSampler)
+        and type(sampler).__iter__ is BatchSampler.__iter__
+        and sampler.sampler is ds
+    ):
         return padding, None
     return None, (
         f"CrossRankMetrics: {type(sampler).__name__} batches the evaluation DistributedSampler in its own way,"
@@ -396,7 +391,7 @@ def _eval_dataloaders(trainer: Any) -> list[Any]:
         loop = trainer.validate_loop
     else:
         loop = trainer.fit_loop.epoch_loop.val_loop
-    combined = getattr(loop, "_combined_loader", None)
+    combined = combined_loader(loop)
     return list(combined.flattened) if combined is not None else []
 
 

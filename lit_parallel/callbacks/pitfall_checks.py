@@ -1,5 +1,6 @@
 """The measurements and helpers behind :class:`~lit_parallel.callbacks.PitfallReport` (no Callback here):
-learning-rate scaling rules, per-rank seeds, cross-rank tensor comparison, augmentation probing."""
+its findings, learning-rate scaling rules, per-rank seeds, cross-rank tensor comparison, augmentation
+probing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import math
 import os
 import random
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -19,6 +21,20 @@ from lit_parallel.callbacks.data_parallel import (
     data_parallel_group,
 )
 from lit_parallel.callbacks.fingerprints import tensor_leaves
+
+
+@dataclass
+class Finding:
+    """One row of the report."""
+
+    check: str
+    status: Literal["ok", "problem", "info", "n/a"]
+    evidence: str
+    fix: str = ""
+
+    def message(self) -> str:
+        return f"PitfallReport: {self.check}: {self.evidence}" + (f" Fix: {self.fix}" if self.fix else "")
+
 
 # Optimizers whose step is normalized per coordinate: their learning rate scales with the square root
 # of the batch size (Malladi et al., 2022); plain SGD-like ones scale linearly (Goyal et al., 2017).
@@ -90,7 +106,8 @@ def per_rank_seed(base_seed: int, trainer: Any = None) -> int:
     return base_seed + int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 
 
-def _scheduled_peaks(trainer: Any) -> list[float]:
+def scheduled_peak_lrs(trainer: Any) -> list[float]:
+    """The peak learning rates the optimizers' schedulers declared (``initial_lr``, ``max_lr``)."""
     peaks = []
     for optimizer in trainer.optimizers or []:
         group = optimizer.param_groups[0]
@@ -139,7 +156,7 @@ def _compare(items: list[tuple[str, torch.Tensor]], max_min: Any) -> dict[str, f
     return {name: float(r) for (name, _), r in zip(items, rel) if r > 0}
 
 
-def _rng_fingerprint(generator: Any = None) -> str:
+def rng_fingerprint(generator: Any = None) -> str:
     """A digest of the random states a dataset or the DataLoader's worker seeds draw from."""
     h = hashlib.sha1()
     h.update(torch.get_rng_state().numpy().tobytes())
@@ -156,7 +173,7 @@ def _rng_fingerprint(generator: Any = None) -> str:
     return h.hexdigest()
 
 
-def _draws_random_numbers(dataset: Any) -> bool | None:
+def draws_random_numbers(dataset: Any) -> bool | None:
     """Whether ``dataset[0]`` differs between two reads (random augmentation); random states restored."""
     if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
         return None

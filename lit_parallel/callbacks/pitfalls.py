@@ -14,21 +14,20 @@ Checks, each measured on every rank of the data-parallel group and decided from 
   throughput in samples/s per rank and in total;
 - identical random augmentation across ranks (same random state on every rank while the dataset draws
   random numbers), silent when ``seed_everything(workers=True)`` gives workers distinct seeds.
+
+The step timings and their judges live in :mod:`~lit_parallel.callbacks.pitfall_timing`, the other
+measurements in :mod:`~lit_parallel.callbacks.pitfall_checks`.
 """
 
 from __future__ import annotations
 
-import statistics
 import textwrap
-import time
-import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
 from lit_parallel.callbacks.data_parallel import (
@@ -39,38 +38,27 @@ from lit_parallel.callbacks.data_parallel import (
     report,
 )
 from lit_parallel.callbacks.pitfall_checks import (
-    _draws_random_numbers,
-    _rng_fingerprint,
-    _scheduled_peaks,
+    Finding,
+    draws_random_numbers,
     learning_rate_rule,
+    rng_fingerprint,
     scaled_learning_rate,
+    scheduled_peak_lrs,
     tensors_diverging,
 )
-from lit_parallel.parallel.waits import CollectiveWaitTimer, transfer_waits
+from lit_parallel.callbacks.pitfall_timing import (
+    StepTimer,
+    judge_comm,
+    judge_data,
+    judge_stragglers,
+    judge_throughput,
+)
 
 
 @dataclass
-class Finding:
-    """One row of the report."""
+class _EpochRecord:
+    """This rank's observations since the epoch started, besides step timings."""
 
-    check: str
-    status: Literal["ok", "problem", "info", "n/a"]
-    evidence: str
-    fix: str = ""
-
-    def message(self) -> str:
-        return f"PitfallReport: {self.check}: {self.evidence}" + (f" Fix: {self.fix}" if self.fix else "")
-
-
-@dataclass
-class _EpochTimes:
-    """This rank's measurements since the last report."""
-
-    step_starts: list[float] = field(default_factory=list)
-    fetch: list[float] = field(default_factory=list)
-    samples: list[int] = field(default_factory=list)
-    ddp_compute: list[float] = field(default_factory=list)
-    ddp_exposed_comm: list[float] = field(default_factory=list)
     diverged: dict[str, float] = field(default_factory=dict)
     divergence_checks: int = 0
     first_lr: float | None = None
@@ -136,51 +124,22 @@ class PitfallReport(Callback):
         self.print_table = print_table
         self.mode = check_mode(mode, "PitfallReport")
         self.findings: list[Finding] = []
-        self._times = _EpochTimes()
+        self._record = _EpochRecord()
+        self._timer = StepTimer()
         self._dp: DataParallelGroup | None = None
         self._reported: set[str] = set()
         self._last_table = ""
         self._batches = 0
-        self._waits: CollectiveWaitTimer | None = None
-        self._fetch_started: float | None = None
-        self._ddp_iteration: int | None = None
-        self._ddp_seen: Any = None
         self._augmentation: dict[str, Any] = {}
-        self._profiler: Any = None
         self._epoch = 0
 
     # ----------------------------------------------------------------------------------------- hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit":
-            return
-        self._waits = CollectiveWaitTimer(trainer.strategy.root_device).install()
-        profiler = trainer.profiler
-        if "start" not in profiler.__dict__:
-            start, stop = profiler.start, profiler.stop
-
-            def timed_start(action_name: str) -> None:
-                if action_name.endswith("train_dataloader_next"):
-                    self._fetch_started = time.perf_counter()
-                start(action_name)
-
-            def timed_stop(action_name: str) -> None:
-                stop(action_name)
-                if action_name.endswith("train_dataloader_next") and self._fetch_started is not None:
-                    self._times.fetch.append(time.perf_counter() - self._fetch_started)
-                    self._fetch_started = None
-
-            profiler.start, profiler.stop = timed_start, timed_stop
-            self._profiler = profiler
+        if stage == "fit":
+            self._timer.install(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._ddp_seen = None
-        if self._waits is not None:
-            self._waits.uninstall()
-            self._waits = None
-        if self._profiler is not None:
-            self._profiler.__dict__.pop("start", None)
-            self._profiler.__dict__.pop("stop", None)
-            self._profiler = None
+        self._timer.uninstall()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")
@@ -189,35 +148,25 @@ class PitfallReport(Callback):
         self._dp = data_parallel_group(trainer.strategy)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._times = _EpochTimes()
+        self._record = _EpochRecord()
+        self._timer.start_epoch()
         self._epoch = trainer.current_epoch
         self._augmentation = self._augmentation_state(trainer)
-        if self._waits is not None:
-            self._waits.clear()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
-        times = self._times
-        times.step_starts.append(now)
-        try:
-            times.samples.append(int(extract_batch_size(batch)))
-        except Exception:  # a batch Lightning cannot size: throughput stays unknown
-            times.samples.append(0)
+        record = self._record
         if trainer.optimizers:
             lr = float(trainer.optimizers[0].param_groups[0]["lr"])
-            if times.first_lr is None:
-                times.first_lr = lr
-            times.peak_lr = max(times.peak_lr, lr)
-        if self._waits is not None:  # last: the window holds the step alone
-            self._waits.open()
+            if record.first_lr is None:
+                record.first_lr = lr
+            record.peak_lr = max(record.peak_lr, lr)
+        self._timer.start_step(batch)  # last: its window holds the step alone
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._waits is not None:  # first: the checks below run collectives of their own
-            self._waits.close()
+        self._timer.end_step(trainer)  # first: the checks below run collectives of their own
         self._batches += 1
-        self._read_ddp_timings(trainer)
         if self._batches % self.check_every_n_steps == 0:
             self._check_divergence(trainer, pl_module)
 
@@ -226,35 +175,13 @@ class PitfallReport(Callback):
         self.check(trainer)
 
     # ----------------------------------------------------------------------------------- measurement
-    def _read_ddp_timings(self, trainer: Any) -> None:
-        ddp = _ddp_module(trainer)
-        if ddp is None:
-            return
-        if self._ddp_seen is None or self._ddp_seen() is not ddp:
-            # DDP samples its timings at a few early iterations, then every 100th: ask for every one on
-            # CPU, every 10th on GPUs (reading CUDA timers waits for the previous backward's events).
-            # A weak reference: the DDP wrapper (and its reducer) must die with the strategy's teardown.
-            on_cpu = all(p.device.type == "cpu" for p in ddp.parameters())
-            ddp._set_ddp_runtime_logging_sample_rate(1 if on_cpu else 10)
-            self._ddp_seen = weakref.ref(ddp)
-        data = ddp._get_ddp_logging_data()
-        iteration = data.get("iteration")
-        if iteration is None or iteration == self._ddp_iteration or "backward_comm_time" not in data:
-            return
-        self._ddp_iteration = iteration
-        ns = 1e-9
-        compute = (data.get("forward_compute_time", 0) + data.get("backward_compute_time", 0)) * ns
-        exposed = max(0, data["backward_comm_time"] - data.get("backward_compute_comm_overlap_time", 0)) * ns
-        self._times.ddp_compute.append(compute)
-        self._times.ddp_exposed_comm.append(exposed)
-
     def _check_divergence(self, trainer: Any, pl_module: Any) -> None:
         dp = self._dp or data_parallel_group(trainer.strategy)
         if not dp.distributed:
             return
-        self._times.divergence_checks += 1
+        self._record.divergence_checks += 1
         for name, rel in tensors_diverging(pl_module, dp).items():
-            self._times.diverged[name] = max(rel, self._times.diverged.get(name, 0.0))
+            self._record.diverged[name] = max(rel, self._record.diverged.get(name, 0.0))
 
     def _augmentation_state(self, trainer: Any) -> dict[str, Any]:
         loaders = trainer.train_dataloader
@@ -269,11 +196,11 @@ class PitfallReport(Callback):
         )
         state["user_init"] = init is not None and not state["lightning_seeded"]
         if self.probe_augmentation and "random" not in self._augmentation:
-            state["random"] = _draws_random_numbers(loader.dataset)
+            state["random"] = draws_random_numbers(loader.dataset)
         else:
             state["random"] = self._augmentation.get("random")
         generator = loader.generator
-        state["rng"] = _rng_fingerprint(generator)
+        state["rng"] = rng_fingerprint(generator)
         return state
 
     # --------------------------------------------------------------------------------------- judging
@@ -285,55 +212,40 @@ class PitfallReport(Callback):
         findings = [
             self._judge_divergence(ranks),
             self._judge_lr(trainer, ranks, dp),
-            self._judge_data(ranks),
-            self._judge_comm(trainer, ranks),
-            self._judge_stragglers(ranks),
-            self._judge_throughput(ranks),
+            judge_data(ranks, self.data_wait_limit),
+            judge_comm(ranks, self.comm_share_limit, trainer.strategy),
+            judge_stragglers(ranks, self.straggler_limit),
+            judge_throughput(ranks),
             self._judge_augmentation(ranks),
         ]
         self.findings = findings
-        self._last_table = format_table(findings, epoch=self._epoch, ranks=dp.size, steps=summary["steps"])
-        if self.print_table and trainer.is_global_zero:
-            print(self._last_table, flush=True)
+        shape = {"epoch": self._epoch, "ranks": dp.size, "steps": summary["steps"]}
+        self._last_table = format_table(findings, **shape)
         problems = [f for f in findings if f.status == "problem"]
+        # a problem is warned about once per run, the first time it is found
+        fresh = [f for f in problems if f.check not in self._reported] if self.mode == "warn" else []
+        self._reported.update(f.check for f in fresh)
+        if self.print_table and trainer.is_global_zero:
+            # the rows of problems warned about now point to the warning instead of repeating it
+            print(format_table(findings, **shape, warned={f.check for f in fresh}), flush=True)
         if self.mode == "raise":
             report([f.message() for f in problems], mode="raise", is_global_zero=trainer.is_global_zero)
-        fresh = [f for f in problems if f.check not in self._reported]
-        self._reported.update(f.check for f in fresh)
         report([f.message() for f in fresh], mode="warn", is_global_zero=trainer.is_global_zero)
         return findings
 
     def table(self) -> str:
-        """The last report, as printed."""
+        """The last report, every row in full."""
         return self._last_table
 
     def _summary(self, trainer: Any) -> dict[str, Any]:
-        t = self._times
-        intervals = [b - a for a, b in zip(t.step_starts, t.step_starts[1:])]
-        # the first interval includes the epoch's first fetch (worker start-up): leave it out
-        fetch = t.fetch[1 : 1 + len(intervals)]
-        # the first steps include one-time work (FSDP's lazy init, DDP's probe, compilation): skip them
-        windows = self._waits.windows() if self._waits is not None else []
-        windows = windows[min(2, len(windows) - 1) :] if windows else []
-        ddp_exposed = statistics.median(t.ddp_exposed_comm) if t.ddp_exposed_comm else None
-        waited = statistics.median([w.waited for w in windows]) if windows else None
+        r = self._record
         return {
-            "ddp_exposed": ddp_exposed,
-            "waited": waited,
-            "recent_windows": windows[-16:],
+            **self._timer.summary(),
             "rank": self._dp.rank if self._dp else 0,
-            "steps": len(t.step_starts),
-            "interval": statistics.median(intervals) if intervals else None,
-            "interval_total": sum(intervals),
-            "fetch_total": sum(fetch),
-            "samples": sum(t.samples[: len(intervals)]),
-            "batch": t.samples[0] if t.samples else None,
-            "compute_steps": statistics.median([w.compute for w in windows]) if windows else None,
-            "compute_ddp": statistics.median(t.ddp_compute) if t.ddp_compute else None,
-            "diverged": dict(t.diverged),
-            "divergence_checks": t.divergence_checks,
-            "first_lr": t.first_lr,
-            "peak_lr": max([t.peak_lr] + _scheduled_peaks(trainer)),
+            "diverged": dict(r.diverged),
+            "divergence_checks": r.divergence_checks,
+            "first_lr": r.first_lr,
+            "peak_lr": max([r.peak_lr] + scheduled_peak_lrs(trainer)),
             "augmentation": self._augmentation,
         }
 
@@ -401,99 +313,6 @@ class PitfallReport(Callback):
             )
         return Finding(check, "ok", f"{how} (actual/expected = {ratio:.2f}).")
 
-    def _judge_data(self, ranks: list[dict]) -> Finding:
-        check = "data loading"
-        shares = [
-            (r["rank"], r["fetch_total"] / r["interval_total"]) for r in ranks if r["interval_total"] > 0
-        ]
-        if not shares:
-            return Finding(check, "n/a", "fewer than two steps measured")
-        worst_rank, worst = max(shares, key=lambda s: s[1])
-        text = (
-            "waiting for the next batch: "
-            + ", ".join(f"rank {r} {s:.0%}" for r, s in shares)
-            + " of step time"
-        )
-        if worst > self.data_wait_limit:
-            return Finding(
-                check,
-                "problem",
-                f"{text} (rank {worst_rank} above {self.data_wait_limit:.0%}): the devices wait for the input pipeline.",
-                "raise DataLoader(num_workers=...) (with persistent_workers=True, pin_memory=True), move"
-                " decoding/augmentation off the training process, or cache preprocessed data.",
-            )
-        return Finding(check, "ok", text + ".")
-
-    def _judge_comm(self, trainer: Any, ranks: list[dict]) -> Finding:
-        check = "exposed communication"
-        # each rank's own view: DDP's reducer waits plus every other collective the step waited on
-        shares = [
-            (r["rank"], ((r["ddp_exposed"] or 0.0) + (r["waited"] or 0.0)) / r["interval"])
-            for r in ranks
-            if (r["ddp_exposed"] is not None or r["waited"] is not None) and r["interval"]
-        ]
-        if not shares:
-            return Finding(check, "n/a", "fewer than two steps measured")
-        # A rank that reaches a collective first waits for the others as well as for the transfer; the
-        # rank that arrives last waits for the transfer alone. Collective by collective (wait timer), or
-        # rank by rank (DDP's reducer gives one total per step), the smallest wait is the communication
-        # itself; the rest is skew between ranks.
-        ddp = [r["ddp_exposed"] for r in ranks]
-        itself = min(ddp) if all(v is not None for v in ddp) else 0.0
-        transfers = transfer_waits([r["recent_windows"] for r in ranks])
-        if transfers:
-            itself += statistics.median(transfers)
-        elif all(r["waited"] is not None for r in ranks):
-            itself += min(r["waited"] for r in ranks)
-        share = itself / statistics.median([r["interval"] for r in ranks if r["interval"]])
-        text = (
-            "compute waits on collectives for "
-            + ", ".join(f"rank {r} {s:.0%}" for r, s in shares)
-            + f" of step time; the transfers themselves (the wait of the last rank to arrive) {share:.0%}"
-        )
-        if max(s for _, s in shares) > 2 * share + 0.05:
-            text += " (the rest: ranks waiting for slower ranks, see stragglers)"
-        if share > self.comm_share_limit:
-            return Finding(
-                check,
-                "problem",
-                f"{text}, above {self.comm_share_limit:.0%}: the collectives are not hidden behind compute.",
-                _comm_fix(trainer.strategy),
-            )
-        return Finding(check, "ok", text + ".")
-
-    def _judge_stragglers(self, ranks: list[dict]) -> Finding:
-        check = "stragglers"
-        # DDP's all-reduces run in C++, out of the wait timer's sight: its reducer times compute itself
-        source = "compute_ddp" if all(r["compute_ddp"] is not None for r in ranks) else "compute_steps"
-        values = [(r["rank"], r[source]) for r in ranks if r[source] is not None]
-        if len(values) < 2:
-            return Finding(check, "n/a", "needs two ranks with measured steps")
-        text = "own compute per step (collective waits excluded): " + ", ".join(
-            f"rank {r} {v * 1e3:.1f} ms" for r, v in values
-        )
-        slow_rank, slow = max(values, key=lambda v: v[1])
-        others = statistics.median([v for r, v in values if r != slow_rank])
-        if others > 0 and slow / others > self.straggler_limit:
-            return Finding(
-                check,
-                "problem",
-                f"{text}: rank {slow_rank} is {slow / others:.1f}x slower than the median of the others, and every"
-                " rank waits for it at each synchronization.",
-                f"find what differs on rank {slow_rank}: its device (clocks, thermal throttling, a shared or"
-                " slower GPU), other processes on its host, or rank-dependent work in the step (logging,"
-                " checkpointing, uneven sequence lengths).",
-            )
-        return Finding(check, "ok", text + ".")
-
-    def _judge_throughput(self, ranks: list[dict]) -> Finding:
-        per_rank = [(r["rank"], r["samples"] / r["interval_total"]) for r in ranks if r["interval_total"] > 0]
-        if not per_rank:
-            return Finding("throughput", "n/a", "fewer than two steps measured")
-        total = sum(v for _, v in per_rank)
-        text = ", ".join(f"rank {r} {v:.1f}" for r, v in per_rank)
-        return Finding("throughput", "info", f"samples/s: {text}; total {total:.1f}.")
-
     def _judge_augmentation(self, ranks: list[dict]) -> Finding:
         check = "random augmentation"
         states = [r["augmentation"] for r in ranks]
@@ -537,37 +356,13 @@ class PitfallReport(Callback):
         )
 
 
-def _comm_fix(strategy: Any) -> str:
-    """What to change when communication is exposed, for the strategy in use."""
-    kinds = {cls.__name__ for cls in type(strategy).__mro__}
-    common = "raise the per-rank batch (more compute per byte communicated)"
-    if "TensorParallelStrategy" in kinds or kinds & {"ModelParallelStrategy", "TransformerFSDPStrategy"} == {
-        "ModelParallelStrategy"
-    }:
-        return (
-            f"{common}, and keep each tensor-parallel group inside one node (fast links) or make it smaller"
-            " (TensorParallelStrategy(tensor_parallel_size=...)): it communicates in every block."
-        )
-    if "TransformerFSDPStrategy" in kinds or "FSDPStrategy" in kinds:
-        return (
-            f"{common} or accumulate gradients; shard within a node and replicate across nodes"
-            " (HybridShardStrategy, 'hsdp');"
-            " keep parameters gathered between forward and backward (reshard_after_forward=False, one"
-            " all-gather fewer per block); wrap larger blocks so fewer, larger collectives run."
-        )
-    return (
-        f"{common}, accumulate gradients (Trainer(accumulate_grad_batches=...)), compress gradients"
-        " (ddp_tuned with comm_hook='bf16'/'powersgd'), or let ddp_tuned size the buckets (bucket_cap_mb='auto')."
-    )
+def format_table(
+    findings: list[Finding], *, epoch: int, ranks: int, steps: int, warned: Collection[str] = ()
+) -> str:
+    """The report as a fixed-width table; problems get their fix on the following lines.
 
-
-def _ddp_module(trainer: Any) -> Any:
-    model = getattr(trainer.strategy, "model", None)
-    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
-
-
-def format_table(findings: list[Finding], *, epoch: int, ranks: int, steps: int) -> str:
-    """The report as a fixed-width table; problems get their fix on the following lines."""
+    Problems whose check is in ``warned`` only point to the warning that holds their evidence and fix.
+    """
     widths = (28, 8, 74)
     head = (
         f"lit_parallel PitfallReport: epoch {epoch}, {ranks} data-parallel ranks, {steps} steps on this rank"
@@ -575,11 +370,13 @@ def format_table(findings: list[Finding], *, epoch: int, ranks: int, steps: int)
     lines = [head, f"{'check':<{widths[0]}} {'status':<{widths[1]}} evidence", "-" * sum(widths)]
     for f in findings:
         status = f.status.upper() if f.status == "problem" else f.status
-        text = textwrap.wrap(f.evidence, widths[2]) or [""]
+        pointer = f.status == "problem" and f.check in warned
+        evidence = "see the ParallelTrainingWarning below (evidence and fix)" if pointer else f.evidence
+        text = textwrap.wrap(evidence, widths[2]) or [""]
         lines.append(f"{f.check:<{widths[0]}} {status:<{widths[1]}} {text[0]}")
         pad = " " * (widths[0] + widths[1] + 2)
         lines += [pad + t for t in text[1:]]
-        if f.status == "problem" and f.fix:
+        if f.status == "problem" and f.fix and not pointer:
             fix = textwrap.wrap("fix: " + f.fix, widths[2])
             lines += [pad + t for t in fix]
     return "\n".join(lines)

@@ -4,9 +4,16 @@ Lightning prepares a DataLoader (injecting a ``DistributedSampler``) and iterate
 loop method, before any callback hook runs. :func:`add_dataloader_hook` therefore hooks the strategy's
 ``process_dataloader`` (called on every prepared DataLoader) to reach the DataLoader before its first
 iteration. A *tap* is then put on the DataLoader's index sampler (its ``batch_sampler``, or its
-``sampler`` when it has no batch sampler) by giving that one object a subclass of its own class whose
-``__iter__`` passes the indices through the tap. The object keeps its identity and its type checks, and
-pickles as its original class.
+``sampler`` when it has no batch sampler): the DataLoader's reference to it is replaced by a
+:class:`TappedSampler` that iterates the same object through the taps and delegates everything else to
+it, so the user's sampler keeps its class, identity and pickling, and Lightning's ``set_epoch`` calls
+reach it. :func:`remove_tap` puts the original reference back.
+
+``DataLoader.__setattr__`` refuses new ``sampler``/``batch_sampler`` values after ``__init__`` because
+its copies of ``batch_size`` and ``drop_last`` and a persistent-workers iterator would no longer match
+them. A :class:`TappedSampler` yields the same items and reports the same length and attributes, and it
+is installed before the DataLoader's first iterator, so :func:`_set_index_sampler` sets it past that
+check (``object.__setattr__``): the one place this module goes around the DataLoader's interface.
 """
 
 from __future__ import annotations
@@ -18,89 +25,99 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
+from lit_parallel.callbacks.patching import patch_attribute
+
 # tap(sampler, iterator_of_items) -> iterator_of_items
 Tap = Callable[[Any, Iterator[Any]], Iterator[Any]]
 
-_TAPPED_CLASSES: dict[type, type] = {}
 
+class TappedSampler:
+    """Stands in for a DataLoader's index sampler: iterates it through taps, delegates everything else."""
 
-def _rebuild_untapped(cls: type, state: dict) -> Any:
-    obj = cls.__new__(cls)
-    obj.__dict__.update(state)
-    return obj
+    __slots__ = ("_lp_sampler", "_lp_taps")
 
+    def __init__(self, sampler: Any) -> None:
+        self._lp_sampler = sampler
+        self._lp_taps: list[Tap] = []
 
-def _tapped_class(cls: type) -> type:
-    sub = _TAPPED_CLASSES.get(cls)
-    if sub is not None:
-        return sub
-
-    def __iter__(self):  # noqa: N807
-        it = super(sub, self).__iter__()
-        for tap in tuple(self.__dict__.get("_lp_taps", ())):
-            it = tap(self, it)
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self._lp_sampler)
+        for tap in tuple(self._lp_taps):
+            it = tap(self._lp_sampler, it)
         return it
 
-    def __reduce_ex__(self, protocol):  # noqa: N807
-        state = {k: v for k, v in self.__dict__.items() if k != "_lp_taps"}
-        return (_rebuild_untapped, (cls, state))
+    def __len__(self) -> int:
+        return len(self._lp_sampler)
 
-    sub = type(
-        cls.__name__,
-        (cls,),
-        {
-            "__iter__": __iter__,
-            "__reduce_ex__": __reduce_ex__,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "_lp_untapped_class": cls,
-        },
-    )
-    _TAPPED_CLASSES[cls] = sub
-    return sub
+    def __getattr__(self, name: str) -> Any:
+        # only called for names not found on the wrapper: ``sampler``, ``set_epoch``, ``batch_size``, ...
+        if name.startswith("__") or name in TappedSampler.__slots__:
+            raise AttributeError(name)
+        return getattr(self._lp_sampler, name)
+
+    def __reduce__(self) -> tuple:
+        # a pickled or copied DataLoader holds the user's sampler again, without taps
+        return (_untapped, (self._lp_sampler,))
 
 
-def add_tap(sampler: Any, tap: Tap) -> bool:
-    """Pass every item ``sampler`` yields through ``tap``; ``False`` if this object cannot be tapped."""
-    if sampler is None or not hasattr(sampler, "__dict__"):
-        return False
-    cls = type(sampler)
-    if "_lp_untapped_class" not in cls.__dict__:
-        try:
-            sampler.__class__ = _tapped_class(cls)
-        except TypeError:  # __slots__, extension types
-            return False
-    taps = sampler.__dict__.setdefault("_lp_taps", [])
-    if tap not in taps:
-        taps.append(tap)
-    return True
+def _untapped(sampler: Any) -> Any:
+    return sampler
 
 
-def remove_tap(sampler: Any, tap: Tap) -> None:
-    taps = getattr(sampler, "__dict__", {}).get("_lp_taps")
-    if taps is None:
-        return
-    if tap in taps:
-        taps.remove(tap)
-    if not taps:
-        del sampler.__dict__["_lp_taps"]
-        original = type(sampler).__dict__.get("_lp_untapped_class")
-        if original is not None:
-            sampler.__class__ = original
+def unwrap(obj: Any) -> Any:
+    """The user's object behind a :class:`TappedSampler` (``obj`` itself otherwise)."""
+    return obj._lp_sampler if isinstance(obj, TappedSampler) else obj
 
 
-def find_tap(sampler: Any, kind: type) -> Any:
-    for tap in getattr(sampler, "__dict__", {}).get("_lp_taps", ()):
-        if isinstance(tap, kind):
-            return tap
-    return None
+def _index_sampler_attr(dataloader: Any) -> str | None:
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return None
+    return "batch_sampler" if dataloader.batch_sampler is not None else "sampler"
+
+
+def _set_index_sampler(dataloader: DataLoader, attr: str, value: Any) -> None:
+    object.__setattr__(dataloader, attr, value)  # past DataLoader's guard: see the module docstring
 
 
 def index_sampler(dataloader: Any) -> Any:
     """The object a DataLoader iterates to get its indices, or ``None`` when there are no indices."""
-    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+    attr = _index_sampler_attr(dataloader)
+    return unwrap(getattr(dataloader, attr)) if attr is not None else None
+
+
+def add_tap(dataloader: Any, tap: Tap) -> bool:
+    """Pass every item ``dataloader``'s index sampler yields through ``tap``; ``False`` if it has none."""
+    attr = _index_sampler_attr(dataloader)
+    if attr is None:
+        return False
+    tapped = getattr(dataloader, attr)
+    if not isinstance(tapped, TappedSampler):
+        tapped = TappedSampler(tapped)
+        _set_index_sampler(dataloader, attr, tapped)
+    if tap not in tapped._lp_taps:
+        tapped._lp_taps.append(tap)
+    return True
+
+
+def remove_tap(dataloader: Any, tap: Tap) -> None:
+    """Undo :func:`add_tap`; the DataLoader gets its own index sampler back with its last tap."""
+    attr = _index_sampler_attr(dataloader)
+    tapped = getattr(dataloader, attr) if attr is not None else None
+    if not isinstance(tapped, TappedSampler):
+        return
+    if tap in tapped._lp_taps:
+        tapped._lp_taps.remove(tap)
+    if not tapped._lp_taps:
+        _set_index_sampler(dataloader, attr, tapped._lp_sampler)
+
+
+def find_tap(dataloader: Any, kind: type) -> Any:
+    """The tap of type ``kind`` on ``dataloader``'s index sampler, or ``None``."""
+    attr = _index_sampler_attr(dataloader)
+    tapped = getattr(dataloader, attr) if attr is not None else None
+    if not isinstance(tapped, TappedSampler):
         return None
-    return dataloader.batch_sampler if dataloader.batch_sampler is not None else dataloader.sampler
+    return next((tap for tap in tapped._lp_taps if isinstance(tap, kind)), None)
 
 
 def add_dataloader_hook(trainer: Any, hook: Callable[[Any, Any], None]) -> None:
@@ -110,7 +127,7 @@ def add_dataloader_hook(trainer: Any, hook: Callable[[Any, Any], None]) -> None:
     testing, predicting).
     """
     strategy = trainer.strategy
-    hooks = strategy.__dict__.get("_lp_dataloader_hooks")
+    hooks = getattr(strategy.process_dataloader, "lp_hooks", None)
     if hooks is None:
         hooks = []
         original = strategy.process_dataloader
@@ -121,22 +138,21 @@ def add_dataloader_hook(trainer: Any, hook: Callable[[Any, Any], None]) -> None:
                 h(dataloader, trainer.state.stage)
             return dataloader
 
-        strategy.process_dataloader = process_dataloader
-        strategy._lp_dataloader_hooks = hooks
+        process_dataloader.lp_hooks = hooks
+        process_dataloader.lp_undo = patch_attribute(strategy, "process_dataloader", process_dataloader)
     if hook not in hooks:
         hooks.append(hook)
 
 
 def remove_dataloader_hook(trainer: Any, hook: Callable[[Any, Any], None]) -> None:
-    strategy = trainer.strategy
-    hooks = strategy.__dict__.get("_lp_dataloader_hooks")
+    patched = trainer.strategy.process_dataloader
+    hooks = getattr(patched, "lp_hooks", None)
     if hooks is None:
         return
     if hook in hooks:
         hooks.remove(hook)
     if not hooks:
-        del strategy.__dict__["_lp_dataloader_hooks"]
-        strategy.__dict__.pop("process_dataloader", None)
+        patched.lp_undo()
 
 
 @dataclass
@@ -188,7 +204,7 @@ def sampler_chain(dataloader: Any, root: str = "dataloader", max_depth: int = 4)
     links: list[ChainLink] = []
     seen: set[int] = set()
     start = [
-        (f"{root}.{name}", getattr(dataloader, name, None))
+        (f"{root}.{name}", unwrap(getattr(dataloader, name, None)))
         for name in ("sampler", "batch_sampler", "dataset")
     ]
     frontier = [(path, obj, 0) for path, obj in start if obj is not None]
@@ -213,8 +229,6 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
     if not isinstance(attrs, dict):
         return out
     for name, value in attrs.items():
-        if name.startswith("_lp_"):
-            continue
         if isinstance(value, (list, tuple)) and len(value) <= 32:
             out.extend((f"{name}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, dict) and len(value) <= 32:
@@ -227,10 +241,10 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
 def reached_by_lightning(dataloader: Any) -> set[int]:
     """Ids of the objects Lightning calls ``set_epoch`` on (``sampler`` and ``batch_sampler.sampler``)."""
     ids = set()
-    sampler = getattr(dataloader, "sampler", None)
+    sampler = unwrap(getattr(dataloader, "sampler", None))
     if sampler is not None:
         ids.add(id(sampler))
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    batch_sampler = unwrap(getattr(dataloader, "batch_sampler", None))
     inner = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
     if inner is not None:
         ids.add(id(inner))
@@ -246,7 +260,3 @@ def distributed_sampler(links: list[ChainLink]) -> ChainLink | None:
         if isinstance(link.obj, Sampler) and hasattr(link.obj, "num_replicas") and hasattr(link.obj, "rank"):
             return link
     return None
-
-
-def dataloader_name(stage_prefix: str, index: int, count: int) -> str:
-    return f"{stage_prefix}_dataloader" if count == 1 else f"{stage_prefix}_dataloader[{index}]"

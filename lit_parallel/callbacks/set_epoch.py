@@ -9,9 +9,9 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from lit_parallel._logging import info
 from lit_parallel.callbacks.data_parallel import (
     DataParallelGroup,
     all_gather_object,
@@ -28,11 +28,11 @@ from lit_parallel.callbacks.samplers import (
     add_tap,
     distributed_sampler,
     find_tap,
-    index_sampler,
     reached_by_lightning,
     remove_dataloader_hook,
     remove_tap,
     sampler_chain,
+    unwrap,
 )
 
 _SENTINEL = torch.iinfo(torch.int64).max
@@ -108,6 +108,19 @@ class _LoaderState:
             self.first_fingerprints.append(fp[: _ORDER_PREFIX - self.n_first])
             self.n_first += min(len(fp), _ORDER_PREFIX - self.n_first)
 
+    def repeats_order(self, order: torch.Tensor | None, exact: bool) -> bool | None:
+        """Whether ``order`` starts as the previous epoch's did (``None``: nothing to compare); remembers it.
+
+        ``exact`` compares the whole of both orders (indices), otherwise their first fingerprints.
+        """
+        repeated = None
+        if order is not None and self.previous_order is not None:
+            n = min(len(order), len(self.previous_order), len(order) if exact else _ORDER_PREFIX)
+            if n >= 2:
+                repeated = bool(torch.equal(order[:n], self.previous_order[:n]))
+        self.previous_order = order
+        return repeated
+
     def reset_epoch(self) -> None:
         self.fingerprints, self.first_fingerprints = [], []
         self.n_fingerprints = self.n_pending = self.n_first = 0
@@ -168,18 +181,17 @@ class SetEpochCheck(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             remove_dataloader_hook(trainer, self._on_dataloader)
-            for sampler, tap in self._tapped:
-                remove_tap(sampler, tap)
+            for dataloader, tap in self._tapped:
+                remove_tap(dataloader, tap)
             self._tapped.clear()
 
     def _on_dataloader(self, dataloader: Any, stage: Any) -> None:
         if stage != RunningStage.TRAINING:
             return
-        sampler = index_sampler(dataloader)
-        if sampler is not None and find_tap(sampler, _IndexRecorder) is None:
+        if find_tap(dataloader, _IndexRecorder) is None:
             tap = _IndexRecorder()
-            if add_tap(sampler, tap):
-                self._tapped.append((sampler, tap))
+            if add_tap(dataloader, tap):
+                self._tapped.append((dataloader, tap))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._dp = data_parallel_group(trainer.strategy)
@@ -187,12 +199,10 @@ class SetEpochCheck(Callback):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         for state in self._states.values():
             state.reset_epoch()
-        # loaders whose index sampler could not be tapped (IterableDataset, ...) are checked by content
+        # loaders without an index sampler to tap (IterableDataset, ...) are checked by content
         loaders = self._train_loaders(trainer)
         self._by_content = [
-            (i, len(loaders))
-            for i, (_, dl) in enumerate(loaders)
-            if index_sampler(dl) is None or find_tap(index_sampler(dl), _IndexRecorder) is None
+            (i, len(loaders)) for i, (_, dl) in enumerate(loaders) if find_tap(dl, _IndexRecorder) is None
         ]
         if not self.fix:
             return
@@ -201,7 +211,7 @@ class SetEpochCheck(Callback):
                 link.obj.set_epoch(trainer.current_epoch)
                 if link.path not in self.fixed:
                     self.fixed.append(link.path)
-                    rank_zero_info(
+                    info(
                         f"SetEpochCheck(fix=True): calling {link.path}.set_epoch(epoch) at the start of every"
                         f" epoch: this {link.type_name} reshuffles per epoch, but Lightning calls set_epoch only"
                         " on dataloader.sampler and dataloader.batch_sampler.sampler."
@@ -260,7 +270,7 @@ class SetEpochCheck(Callback):
     def _check_loader(self, trainer: Any, dp: DataParallelGroup, i: int, name: str, dl: Any) -> list:
         epoch = trainer.current_epoch
         state = self._states.setdefault(i, _LoaderState())
-        recorder = find_tap(index_sampler(dl), _IndexRecorder) if index_sampler(dl) is not None else None
+        recorder = find_tap(dl, _IndexRecorder)
         indices = recorder.indices() if recorder is not None else None
         links = sampler_chain(dl, name) if isinstance(dl, DataLoader) else []
         ds_link = distributed_sampler(links)
@@ -271,12 +281,7 @@ class SetEpochCheck(Callback):
             mode, order = "fingerprints", torch.cat([f.cpu() for f in state.first_fingerprints])
         else:
             mode, order = "none", None
-        repeated = None
-        if order is not None and state.previous_order is not None:
-            n = min(len(order), len(state.previous_order), len(order) if mode == "indices" else _ORDER_PREFIX)
-            if n >= 2:
-                repeated = bool(torch.equal(order[:n], state.previous_order[:n]))
-        state.previous_order = order
+        repeated = state.repeats_order(order, exact=mode == "indices")
 
         missed = [link for link in self._missed(dl, name) if link.path not in self.fixed]
         stale = [
@@ -459,7 +464,7 @@ def _dropped(ds: Any, dl: Any, n_total: int, ranks: int) -> int:
         per_rank = int(getattr(ds, "num_samples", n_total))
         if getattr(ds, "drop_last", False):
             dropped += max(0, n_total - int(getattr(ds, "total_size", n_total)))
-    batch_sampler = getattr(dl, "batch_sampler", None)
+    batch_sampler = unwrap(getattr(dl, "batch_sampler", None))
     if isinstance(batch_sampler, BatchSampler) and batch_sampler.drop_last:
         dropped += ranks * (per_rank % batch_sampler.batch_size)
     return dropped

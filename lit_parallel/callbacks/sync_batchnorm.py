@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lit_parallel._compat import BatchNormBase as _BatchNorm
+from lit_parallel._compat import disable_layer_sync
+from lit_parallel._logging import info
 from lit_parallel.callbacks.data_parallel import (
     DataParallelGroup,
     all_reduce,
@@ -18,6 +20,7 @@ from lit_parallel.callbacks.data_parallel import (
     data_parallel_group,
     report,
 )
+from lit_parallel.callbacks.patching import patch_attribute
 from lit_parallel.nn.sync_batchnorm import SyncBatchNorm, batchnorm_layers
 
 
@@ -47,6 +50,7 @@ class SyncBatchNormConversion(Callback):
         self.layer_class: type | None = None
         self._dp: DataParallelGroup | None = None
         self._checked_batch = False
+        self._undo_configure: Callable[[], None] | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
@@ -55,17 +59,19 @@ class SyncBatchNormConversion(Callback):
         self._checked_batch = False
         self._disable_lightning_layer_sync(trainer)
         self._convert(trainer, pl_module)
-        if _overrides_configure_model(pl_module) and "configure_model" not in pl_module.__dict__:
+        if _overrides_configure_model(pl_module) and self._undo_configure is None:
             original = pl_module.configure_model
 
             def configure_model() -> None:
                 original()
                 self._convert(trainer, pl_module)
 
-            pl_module.configure_model = configure_model
+            self._undo_configure = patch_attribute(pl_module, "configure_model", configure_model)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        pl_module.__dict__.pop("configure_model", None)
+        if self._undo_configure is not None:
+            self._undo_configure()
+            self._undo_configure = None
 
     def _convert(self, trainer: Any, pl_module: Any) -> None:
         dp = self._dp
@@ -84,7 +90,7 @@ class SyncBatchNormConversion(Callback):
         self.converted += len(pending)
         self.layer_class = target
         where = f"the data-parallel group of {dp.size} ranks"
-        rank_zero_info(
+        info(
             f"SyncBatchNormConversion: converted {len(pending)} BatchNorm layers to"
             f" {target.__module__}.{target.__name__} over {where}"
             if pending
@@ -93,10 +99,8 @@ class SyncBatchNormConversion(Callback):
 
     def _disable_lightning_layer_sync(self, trainer: Any) -> None:
         # Lightning's sync_batchnorm=True would convert our layers again, into CUDA-only ones.
-        layer_sync = getattr(trainer.strategy, "_layer_sync", None)
-        if layer_sync is not None:
-            trainer.strategy._layer_sync = None
-            rank_zero_info(
+        if disable_layer_sync(trainer.strategy):
+            info(
                 "SyncBatchNormConversion: Trainer(sync_batchnorm=True) is handled by this callback (Lightning's"
                 " conversion uses torch.nn.SyncBatchNorm, which runs only on CUDA)"
             )
