@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from lit_parallel.parallel.advisor import (
-    PRECISIONS,
-    Advice,
-    advise,
-    format_size,
-    parse_count,
-    parse_model_kwargs,
-)
+from lit_parallel.parallel.advisor import PRECISIONS, Advice, advise
+from lit_parallel.parallel.formatting import format_bytes
 
 EPILOG = """examples:
   lit-parallel advise --params 7B --devices 8 --memory-gb 80
@@ -28,6 +24,39 @@ EPILOG = """examples:
 
 GB means 1e9 bytes. Mixed precision (bf16-mixed, 16-mixed) counts 2 + 2 + 12 bytes per parameter
 (parameter, gradient, fp32 master weight + Adam's two states); 32-true counts 4 + 4 + 8."""
+
+
+def parse_count(text: str) -> int:
+    """``"7e9"``, ``"7B"``, ``"350M"``, ``"1.3b"``, ``"125_000_000"`` -> a number of parameters."""
+    s = str(text).strip().replace("_", "").replace(",", "")
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    factor = 1.0
+    if s and s[-1].lower() in scale:
+        factor, s = scale[s[-1].lower()], s[:-1]
+    try:
+        value = float(s) * factor
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a number of parameters; write e.g. 7e9, 7B, 350M or 125000000"
+        ) from None
+    if not math.isfinite(value) or value < 1 or abs(value - round(value)) > 1e-6 * max(1.0, value):
+        raise ValueError(f"{text!r} is not a positive whole number of parameters")
+    return int(round(value))
+
+
+def parse_model_kwargs(text: str | None) -> dict[str, Any]:
+    """``--model-kwargs '{"n_layer": 48}'`` -> a dict."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"--model-kwargs {text!r} is not JSON ({err}); write e.g. '{{\"n_layer\": 48}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--model-kwargs {text!r} must be a JSON object, e.g. '{{\"n_layer\": 48}}'")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _gb(n: float | None) -> str:
-    return "-" if n is None else format_size(n)
+    return "-" if n is None else format_bytes(n, decimal=True)
 
 
 def print_advice(a: Advice) -> None:
@@ -113,7 +142,7 @@ def print_advice(a: Advice) -> None:
     b = a.bytes
     console.print(
         f"[bold]lit-parallel advise[/bold]: {what}{a.params:,} parameters on {a.nodes} node(s) x {a.devices}"
-        f" device(s) = {a.world_size} ranks; {format_size(a.memory_bytes)} per device ({a.memory_source});"
+        f" device(s) = {a.world_size} ranks; {format_bytes(a.memory_bytes, decimal=True)} per device ({a.memory_source});"
         f" precision {a.precision}: {b.params} + {b.grads} + {b.optimizer} = {b.total} bytes per parameter"
     )
     if a.model is not None and a.model.block_description:
@@ -121,8 +150,8 @@ def print_advice(a: Advice) -> None:
     act = a.activations
     if act is not None:
         console.print(
-            f"activations: {format_size(act.total_bytes)} per rank for {act.input_description} (micro-batch"
-            f" {act.batch_size}; largest block {format_size(act.largest_block_bytes)}), traced on the meta device"
+            f"activations: {format_bytes(act.total_bytes, decimal=True)} per rank for {act.input_description} (micro-batch"
+            f" {act.batch_size}; largest block {format_bytes(act.largest_block_bytes, decimal=True)}), traced on the meta device"
         )
     table = Table(title="memory per rank (decimal units: GB = 1e9 bytes)")
     for col in ("strategy", "lit_parallel", "shards", "params", "grads", "optimizer", "model state"):
@@ -130,7 +159,7 @@ def print_advice(a: Advice) -> None:
     if act is not None:
         table.add_column("activations", justify="right")
         table.add_column("total", justify="right")
-    table.add_column(f"fits {format_size(a.memory_bytes)}", justify="center")
+    table.add_column(f"fits {format_bytes(a.memory_bytes, decimal=True)}", justify="center")
     for r in a.rows:
         cells = [
             r.name,

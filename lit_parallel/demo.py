@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from typing import Any
 
 STRATEGIES = ("ddp_tuned", "fsdp_blocks", "auto_parallel")
@@ -66,7 +67,7 @@ def print_summary(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from lit_parallel.parallel.memory import format_bytes
+    from lit_parallel.parallel.formatting import format_bytes
 
     table = Table(title="lit-parallel demo", show_header=False)
     table.add_column("what", style="bold")
@@ -113,17 +114,10 @@ def _load_digits():
     return load_digits()
 
 
-def _worker(args: argparse.Namespace) -> int:
-    import lightning as L
+def _datasets() -> tuple[Any, Any]:
+    """Train and validation splits of the digits, the same on every rank (fixed permutation)."""
     import torch
-    import torch.distributed as dist
-    import torchmetrics
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import lit_parallel as lp
-    from lit_parallel.launch import write_result
-    from lit_parallel.parallel.memory import estimate_memory, training_state_bytes
+    from torch.utils.data import TensorDataset
 
     digits = _load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
@@ -131,8 +125,15 @@ def _worker(args: argparse.Namespace) -> int:
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     n_val = 360
     val_idx, train_idx = perm[:n_val], perm[n_val:]
-    train = TensorDataset(x[train_idx], y[train_idx])
-    val = TensorDataset(x[val_idx], y[val_idx])
+    return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[val_idx], y[val_idx])
+
+
+def _digits_net(width: int = 128, depth: int = 3) -> Any:
+    """The demo's LightningModule: input layer, ``depth`` residual MLP blocks (what FSDP wraps), classifier."""
+    import lightning as L
+    import torch
+    import torchmetrics
+    from torch import nn
 
     class ResidualBlock(nn.Module):
         def __init__(self, width: int) -> None:
@@ -145,7 +146,7 @@ def _worker(args: argparse.Namespace) -> int:
             return h + self.down(torch.relu(self.up(self.norm(h))))
 
     class DigitsNet(L.LightningModule):
-        def __init__(self, width: int = 128, depth: int = 3) -> None:
+        def __init__(self, width: int, depth: int) -> None:
             super().__init__()
             self.inp = nn.Linear(64, width)
             self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
@@ -172,6 +173,16 @@ def _worker(args: argparse.Namespace) -> int:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
+    return DigitsNet(width, depth)
+
+
+def _observers(pitfalls: Any) -> tuple[Any, Any]:
+    """Two callbacks: ``Measure`` (throughput, training state per rank) and ``Problems`` (every pitfall
+    the report found in any epoch)."""
+    import lightning as L
+
+    from lit_parallel.parallel.memory import training_state_bytes
+
     class Measure(L.Callback):
         """Throughput, and the training state this rank holds at the second optimizer step."""
 
@@ -193,7 +204,7 @@ def _worker(args: argparse.Namespace) -> int:
     class Problems(L.Callback):
         """Every problem the pitfall report found in any epoch (its table holds the last epoch's)."""
 
-        def __init__(self, report: lp.PitfallReport) -> None:
+        def __init__(self, report: Any) -> None:
             self.report = report
             self.found: dict[str, str] = {}
 
@@ -202,15 +213,27 @@ def _worker(args: argparse.Namespace) -> int:
                 if f.status == "problem":
                     self.found.setdefault(f.check, f"{f.check} (epoch {trainer.current_epoch}): {f.evidence}")
 
+    return Measure(), Problems(pitfalls)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import lit_parallel as lp
+    from lit_parallel.launch import write_result
+
+    # the summary's "pitfalls" row lists every finding: the live warnings would say each one twice
+    warnings.filterwarnings("ignore", category=lp.ParallelTrainingWarning)
+    train, val = _datasets()
     L.seed_everything(0, verbose=False)
     strategy = {
         "ddp_tuned": lp.TunedDDPStrategy,
         "fsdp_blocks": lp.TransformerFSDPStrategy,
         "auto_parallel": lp.AutoStrategy,
     }[args.strategy]()
-    measure = Measure()
     pitfalls = lp.PitfallReport(print_table=False)
-    problems = Problems(pitfalls)
+    measure, problems = _observers(pitfalls)
     set_epoch = lp.SetEpochCheck()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -223,7 +246,7 @@ def _worker(args: argparse.Namespace) -> int:
         enable_progress_bar=False,
         callbacks=[measure, lp.CrossRankMetrics(), set_epoch, pitfalls, problems],
     )
-    model = DigitsNet()
+    model = _digits_net()
     params = sum(p.numel() for p in model.parameters())
     trainer.fit(
         model,
@@ -231,7 +254,46 @@ def _worker(args: argparse.Namespace) -> int:
         DataLoader(val, batch_size=args.batch_size),
     )
     train_s = time.perf_counter() - measure.start
-    val_acc = trainer.callback_metrics["val_acc"].item()
+    found = list(problems.found.values()) + list(set_epoch.findings)
+    result = _result(
+        args, trainer, measure, train_s, params=params, model=model, data=(train, val), pitfalls=found
+    )
+    if trainer.global_rank == 0:
+        write_result(args.result, result)
+    return 0
+
+
+def _blocks_wrapped(strategy: Any) -> str:
+    import lit_parallel as lp
+
+    if isinstance(strategy, lp.TransformerFSDPStrategy) and strategy.plan is not None:
+        plan = strategy.plan.blocks
+        kinds = ", ".join(c.__name__ for c in plan.block_types)
+        return (
+            f"{plan.num_blocks} x {kinds} found automatically, each sharded with FSDP2"
+            f" ({plan.block_fraction:.0%} of the parameters), then the rest as one group"
+        )
+    return "none: DDP keeps a full replica of the model on every rank"
+
+
+def _result(
+    args: argparse.Namespace,
+    trainer: Any,
+    measure: Any,
+    train_s: float,
+    *,
+    params: int,
+    model: Any,
+    data: tuple[Any, Any],
+    pitfalls: list[str],
+) -> dict[str, Any]:
+    """What the summary shows, measured on this rank (memory: the largest rank's, via an all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    import lit_parallel as lp
+    from lit_parallel.parallel.memory import estimate_memory
+
     state = torch.tensor([float(measure.state_bytes)])
     if dist.is_initialized():
         dist.all_reduce(state, op=dist.ReduceOp.MAX)
@@ -240,45 +302,29 @@ def _worker(args: argparse.Namespace) -> int:
     zero = estimate_memory(
         params, strategy="fsdp" if sharded else "ddp", world_size=trainer.world_size, optimizer="sgd_momentum"
     )
-    if sharded and s.plan is not None:
-        kinds = ", ".join(c.__name__ for c in s.plan.blocks.block_types)
-        blocks = (
-            f"{s.plan.blocks.num_blocks} x {kinds} found automatically, each sharded with FSDP2"
-            f" ({s.plan.blocks.block_fraction:.0%} of the parameters), then the rest as one group"
-        )
-    else:
-        blocks = "none: DDP keeps a full replica of the model on every rank"
-    found = list(problems.found.values()) + list(set_epoch.findings)
     advice = getattr(s, "advice", None)
-    if trainer.global_rank == 0:
-        plan = getattr(s, "bucket_plan", None)
-        write_result(
-            args.result,
-            {
-                "strategy": advice.recommendation if advice is not None else args.strategy,
-                "auto": (
-                    f"rule {advice.rule.number}: {advice.evaluations[-1][2]}" if advice is not None else None
-                ),
-                "world_size": trainer.world_size,
-                "backend": s.process_group_backend if hasattr(s, "process_group_backend") else "gloo",
-                "train_samples": len(train),
-                "val_samples": len(val),
-                "model": f"input layer, {len(model.blocks)} residual MLP blocks, classifier",
-                "params": params,
-                "blocks": blocks,
-                "bucket_caps_mb": [round(v, 3) for v in plan.cap_mb_list] if plan is not None else None,
-                "bucket_reason": plan.reason if plan is not None else None,
-                "find_unused": bool(s.unused_parameters) if plan is not None else None,
-                "samples_per_s": measure.samples / train_s,
-                "steps": trainer.global_step,
-                "train_s": train_s,
-                "state_bytes": state.item(),
-                "zero_bytes": zero.total_bytes,
-                "val_acc": val_acc,
-                "pitfalls": found,
-            },
-        )
-    return 0
+    plan = getattr(s, "bucket_plan", None)
+    return {
+        "strategy": advice.recommendation if advice is not None else args.strategy,
+        "auto": f"rule {advice.rule.number}: {advice.evaluations[-1][2]}" if advice is not None else None,
+        "world_size": trainer.world_size,
+        "backend": s.process_group_backend if hasattr(s, "process_group_backend") else "gloo",
+        "train_samples": len(data[0]),
+        "val_samples": len(data[1]),
+        "model": f"input layer, {len(model.blocks)} residual MLP blocks, classifier",
+        "params": params,
+        "blocks": _blocks_wrapped(s),
+        "bucket_caps_mb": [round(v, 3) for v in plan.cap_mb_list] if plan is not None else None,
+        "bucket_reason": plan.reason if plan is not None else None,
+        "find_unused": bool(s.unused_parameters) if plan is not None else None,
+        "samples_per_s": measure.samples / train_s,
+        "steps": trainer.global_step,
+        "train_s": train_s,
+        "state_bytes": state.item(),
+        "zero_bytes": zero.total_bytes,
+        "val_acc": trainer.callback_metrics["val_acc"].item(),
+        "pitfalls": pitfalls,
+    }
 
 
 if __name__ == "__main__":

@@ -155,6 +155,8 @@ def print_report(env_rows, checks: list[Check], live: dict[str, Any] | None) -> 
     from rich.console import Console
     from rich.table import Table
 
+    from lit_parallel.parallel.formatting import format_bytes
+
     console = Console()
     env = Table(title="environment", show_header=False)
     env.add_column("what", style="bold")
@@ -177,21 +179,14 @@ def print_report(env_rows, checks: list[Check], live: dict[str, Any] | None) -> 
             bw.add_column(col, justify="right")
         for row in live["bandwidth"]:
             bw.add_row(
-                _human(row["bytes"]),
+                # the sizes are whole KiB / MiB: "32 MiB" reads better than "32.00 MiB"
+                format_bytes(row["bytes"]).replace(".00 ", " "),
                 f"{row['time_s'] * 1e6:.1f}",
                 f"{row['algbw_gbps']:.3f}",
                 f"{row['busbw_gbps']:.3f}",
             )
         console.print(bw)
         console.print("busbw = algbw x 2(N-1)/N: comparable with nccl-tests; the link speed bounds it.")
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:g} {unit}"
-        n /= 1024
-    return f"{n:g} TiB"
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:

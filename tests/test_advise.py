@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
+from lit_parallel.advise import parse_count
 from lit_parallel.parallel.advisor import (
     RULES,
     advise,
     estimate_activations,
-    parse_count,
     rules_markdown,
     summarize_model,
 )

@@ -11,7 +11,7 @@ from torch import nn
 
 import lit_parallel as lp
 from lit_parallel.parallel import TPPlanError, check_tp_plan, infer_tp_plan
-from lit_parallel.parallel.tensor_parallel import _fused_permutation
+from lit_parallel.parallel.tp_plan import fused_permutation as _fused_permutation
 from tests.models import GPT, Llama, LlamaConfig
 from tests.tp_models import TPGPT, FlatLlama
 
@@ -137,6 +137,35 @@ def test_layers_that_cannot_be_split_stay_replicated_with_the_reason():
     gate = next(layer for layer in plan.layers if layer.path == "blocks.0.gate")
     assert gate.style == REP and "does not feed a single row-parallel layer" in gate.reason
     assert "blocks.0.gate: replicated" in plan.describe()
+
+
+def test_plan_description_is_one_line_per_distinct_block_plan_with_per_layer_detail_on_request():
+    plan = infer_tp_plan(Llama(LlamaConfig(n_layers=12)), 2, loss_parallel=True)
+    lines = plan.describe().splitlines()
+    assert len(lines) == 3  # the header, all 12 blocks alike, the output head
+    assert lines[1].startswith(
+        "  12 blocks layers.0, layers.1, ... layers.11 (LlamaBlock), each as layers.0:"
+    )
+    assert "layers.0.attention.wo: rowwise" in lines[1] and "layers.11" not in lines[1].split(":", 1)[1]
+    assert lines[2].startswith("  output: colwise (loss parallel)")
+    detail = plan.describe(detail=True)
+    assert "  layers.11.attention.wq: colwise [Linear 32 -> 32, 4 heads x 8]" in detail.splitlines()
+    assert "  layers.11.attention.n_kv_heads: 2 -> 1 per rank" in detail.splitlines()
+
+
+def test_a_family_provider_in_front_of_the_generic_one_plans_the_blocks_it_recognises(monkeypatch):
+    from lit_parallel.parallel import tp_families
+    from lit_parallel.parallel.tp_generic import BlockSplit
+
+    def keep_whole(root, name, block, flow, plan, checks):
+        return BlockSplit()
+
+    family = tp_families.PlanProvider(
+        "gated", lambda block: isinstance(block, _GatedBlock), traced=keep_whole
+    )
+    monkeypatch.setattr(tp_families, "PLAN_PROVIDERS", [family, tp_families.GENERIC])
+    assert styles(infer_tp_plan(_Stack(_GatedBlock), 2)) == {}
+    assert styles(infer_tp_plan(Llama(), 2))["layers.0.attention.wo"] == ROW
 
 
 # --- refusals -------------------------------------------------------------------------------------------

@@ -129,8 +129,6 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-
-    import torch
     import torch.distributed as dist
 
     from lit_parallel.bench.common import init_ranks, rotated
@@ -138,6 +136,31 @@ def _worker(args: argparse.Namespace) -> int:
 
     use_gpu = init_ranks(args.accelerator).type == "cuda"
     world = dist.get_world_size()
+    train, val = _random_data(args, world)
+    raw: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    for variant in rotated(VARIANTS, args.repeats):
+        raw[variant].append(_one_run(args, variant, train, val, use_gpu))
+    if dist.get_rank() == 0:
+        config = {
+            "devices": world,
+            "backend": dist.get_backend(),
+            "strategy": args.strategy,
+            "params": sum(p.numel() for p in _module(args).parameters()),
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "epochs": args.epochs,
+            "repeats": args.repeats,
+        }
+        write_result(args.result, {"config": config, "variants": _medians(raw), "per_repeat": raw})
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _random_data(args: argparse.Namespace, world: int) -> tuple[Any, Any]:
+    """Random train and validation sets, the same on every rank."""
+    import torch
+
     n_train = world * args.batch_size * args.steps
     # a validation set that does not divide the world size, so CrossRankMetrics has padding to remove
     n_val = world * args.batch_size * 8 - 1
@@ -148,47 +171,29 @@ def _worker(args: argparse.Namespace) -> int:
     val = torch.utils.data.TensorDataset(
         torch.randn(n_val, args.width, generator=g), torch.randint(0, 10, (n_val,), generator=g)
     )
-    raw: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
-    for variant in rotated(VARIANTS, args.repeats):
-        raw[variant].append(_one_run(args, variant, train, val, use_gpu))
-    if dist.get_rank() == 0:
-        variants = {}
-        for v in VARIANTS:
-            runs = raw[v]
-            variants[v] = {
-                "train_step_s": statistics.median(r["train_step_s"] for r in runs),
-                "val_step_s": statistics.median(r["val_step_s"] for r in runs),
-                "epoch_end_s": statistics.median(r["epoch_end_s"] for r in runs),
-                "hook_s_per_step": statistics.median(r["hook_s_per_step"] for r in runs),
-                "val_hook_s_per_step": statistics.median(r["val_hook_s_per_step"] for r in runs),
-                "epoch_end_share": statistics.median(r["epoch_end_s"] / r["epoch_train_s"] for r in runs),
-                "train_step_ratio": statistics.median(
-                    r["train_step_s"] / b["train_step_s"] for r, b in zip(runs, raw["none"])
-                ),
-                "val_step_ratio": statistics.median(
-                    r["val_step_s"] / b["val_step_s"] for r, b in zip(runs, raw["none"])
-                ),
-            }
-        write_result(
-            args.result,
-            {
-                "config": {
-                    "devices": world,
-                    "backend": dist.get_backend(),
-                    "strategy": args.strategy,
-                    "params": sum(p.numel() for p in _module(args).parameters()),
-                    "batch_size": args.batch_size,
-                    "steps": args.steps,
-                    "epochs": args.epochs,
-                    "repeats": args.repeats,
-                },
-                "variants": variants,
-                "per_repeat": raw,
-            },
-        )
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return train, val
+
+
+def _medians(raw: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per variant, the median over repeats of each time, and of its ratio to the run without callbacks."""
+    variants = {}
+    for v in VARIANTS:
+        runs = raw[v]
+        variants[v] = {
+            "train_step_s": statistics.median(r["train_step_s"] for r in runs),
+            "val_step_s": statistics.median(r["val_step_s"] for r in runs),
+            "epoch_end_s": statistics.median(r["epoch_end_s"] for r in runs),
+            "hook_s_per_step": statistics.median(r["hook_s_per_step"] for r in runs),
+            "val_hook_s_per_step": statistics.median(r["val_hook_s_per_step"] for r in runs),
+            "epoch_end_share": statistics.median(r["epoch_end_s"] / r["epoch_train_s"] for r in runs),
+            "train_step_ratio": statistics.median(
+                r["train_step_s"] / b["train_step_s"] for r, b in zip(runs, raw["none"])
+            ),
+            "val_step_ratio": statistics.median(
+                r["val_step_s"] / b["val_step_s"] for r, b in zip(runs, raw["none"])
+            ),
+        }
+    return variants
 
 
 def _module(args: argparse.Namespace) -> Any:

@@ -91,22 +91,43 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
 
-    from lit_parallel.bench.common import init_ranks, median_ratio, rotated
+    from lit_parallel.bench.common import init_ranks
     from lit_parallel.launch import write_result
 
     device = init_ranks(args.accelerator)
     use_gpu = device.type == "cuda"
-    backend = dist.get_backend()
-    rank = dist.get_rank()
-    steps_per_run = args.warmup + args.steps
-    n_samples = args.devices * args.batch_size * steps_per_run
+    data = _random_data(args)
+    times, tuned_info = _time_variants(args, data, device)
+    bytes_per_step = {
+        "ddp_tuned": _count_bytes_lightning(args, data, use_gpu),
+        "plain_ddp": _count_bytes_plain(args, data, device),
+        "lightning_ddp": None,  # same DDP reducer as the plain loop; Lightning registers hooks only on CUDA
+    }
+    if dist.get_rank() == 0:
+        write_result(args.result, _report(args, dist.get_backend(), times, bytes_per_step, tuned_info))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _random_data(args: argparse.Namespace) -> Any:
+    """Enough random samples for every step of one run on every rank (the same on every rank)."""
+    import torch
+
+    n_samples = args.devices * args.batch_size * (args.warmup + args.steps)
     g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(
+    return torch.utils.data.TensorDataset(
         torch.randn(n_samples, args.width, generator=g), torch.randint(0, 10, (n_samples,), generator=g)
     )
+
+
+def _time_variants(args: argparse.Namespace, data: Any, device: Any) -> tuple[dict[str, list[float]], dict]:
+    """Median step time of each variant per repeat (variants rotated), and what ddp_tuned decided."""
+    from lit_parallel.bench.common import rotated
+
+    use_gpu = device.type == "cuda"
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     tuned_info: dict[str, Any] = {}
     for variant in rotated(VARIANTS, args.repeats):
@@ -117,44 +138,43 @@ def _worker(args: argparse.Namespace) -> int:
             if info:
                 tuned_info = info
         times[variant].append(statistics.median(step_times[args.warmup :]))
-    bytes_per_step = {
-        "ddp_tuned": _count_bytes_lightning(args, data, use_gpu),
-        "plain_ddp": _count_bytes_plain(args, data, device),
-        "lightning_ddp": None,  # same DDP reducer as the plain loop; Lightning registers hooks only on CUDA
+    return times, tuned_info
+
+
+def _report(
+    args: argparse.Namespace,
+    backend: str,
+    times: dict[str, list[float]],
+    bytes_per_step: dict[str, int | None],
+    tuned_info: dict[str, Any],
+) -> dict[str, Any]:
+    from lit_parallel.bench.common import median_ratio
+
+    med = {v: statistics.median(times[v]) for v in VARIANTS}
+    global_batch = args.batch_size * args.devices
+    return {
+        "config": {
+            "devices": args.devices,
+            "backend": backend,
+            "params": sum(p.numel() for p in _make_model(args).parameters()),
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "repeats": args.repeats,
+        },
+        "variants": {
+            v: {
+                "median_step_s": med[v],
+                "samples_per_s": global_batch / med[v],
+                # ratios are taken within each repeat (the variants ran back to back), then the median
+                "ratio_vs_lightning_ddp": median_ratio(times[v], times["lightning_ddp"]),
+                "ratio_vs_plain": median_ratio(times[v], times["plain_ddp"]),
+                "bytes_per_step": bytes_per_step[v],
+            }
+            for v in VARIANTS
+        },
+        "per_repeat": {v: [round(t, 5) for t in times[v]] for v in VARIANTS},
+        "ddp_tuned": tuned_info,
     }
-    if rank == 0:
-        med = {v: statistics.median(times[v]) for v in VARIANTS}
-        global_batch = args.batch_size * args.devices
-        n_params = sum(p.numel() for p in _make_model(args).parameters())
-        write_result(
-            args.result,
-            {
-                "config": {
-                    "devices": args.devices,
-                    "backend": backend,
-                    "params": n_params,
-                    "batch_size": args.batch_size,
-                    "steps": args.steps,
-                    "repeats": args.repeats,
-                },
-                "variants": {
-                    v: {
-                        "median_step_s": med[v],
-                        "samples_per_s": global_batch / med[v],
-                        # ratios are taken within each repeat (the variants ran back to back), then the median
-                        "ratio_vs_lightning_ddp": median_ratio(times[v], times["lightning_ddp"]),
-                        "ratio_vs_plain": median_ratio(times[v], times["plain_ddp"]),
-                        "bytes_per_step": bytes_per_step[v],
-                    }
-                    for v in VARIANTS
-                },
-                "per_repeat": {v: [round(t, 5) for t in times[v]] for v in VARIANTS},
-                "ddp_tuned": tuned_info,
-            },
-        )
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 def _make_model(args):

@@ -89,7 +89,7 @@ def print_report(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from lit_parallel.parallel.memory import format_bytes
+    from lit_parallel.parallel.formatting import format_bytes
 
     cfg = result["config"]
     table = Table(

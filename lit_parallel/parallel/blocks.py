@@ -69,13 +69,17 @@ class BlockPlan:
             out.setdefault(type(module).__name__, []).append(self._block_params[name])
         return out
 
-    def describe(self) -> str:
+    def counts(self) -> list[str]:
+        """One ``"2 x GPTBlock (12,704 params each)"`` per block class."""
         parts = []
         for cls_name, sizes in self.params_per_block().items():
             per = f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"{min(sizes):,}-{max(sizes):,}"
             parts.append(f"{len(sizes)} x {cls_name} ({per} params each)")
+        return parts
+
+    def describe(self) -> str:
         return (
-            f"{self.num_blocks} blocks: {', '.join(parts)}; {self.block_fraction:.0%} of {self.total_params:,}"
+            f"{self.num_blocks} blocks: {', '.join(self.counts())}; {self.block_fraction:.0%} of {self.total_params:,}"
             f" params in blocks, {self.rest_params:,} outside (root group)"
         )
 
@@ -193,46 +197,12 @@ def find_transformer_blocks(
         NoBlocksFoundError: nothing matched; the message says what was searched and how to pass blocks.
     """
     total = sum(p.numel() for p in module.parameters())
-    model_name = type(module).__name__
-    hint = (
-        "pass the block classes explicitly, e.g. block_types={MyBlock} (or class names: block_types="
-        "{'MyBlock'}), or a predicate block_types=lambda m: isinstance(m, MyBlock)"
-    )
     if isinstance(block_types, str) and block_types == "auto":
-        blocks, why = _auto_blocks(module, total, min_fraction)
-        if not blocks:
-            raise NoBlocksFoundError(
-                f"block_types='auto' found no transformer blocks in {model_name} ({total:,} parameters):"
-                f" searched every nn.ModuleList / nn.Sequential / nn.ModuleDict for two or more sibling"
-                f" modules of one class that have parameterised children; {why}. To shard it anyway, {hint}."
-            )
-        how = "auto"
+        blocks, how = _blocks_auto(module, total, min_fraction), "auto"
     elif callable(block_types) and not isinstance(block_types, type):
-        predicate = block_types
-        blocks = _outermost((n, m) for n, m in module.named_modules() if n and predicate(m))
-        how = "predicate"
-        if not blocks:
-            raise NoBlocksFoundError(
-                f"the block_types predicate matched no submodule of {model_name}; check it against"
-                f" the classes present: {_present_classes(module)}"
-            )
+        blocks, how = _blocks_by_predicate(module, block_types), "predicate"
     else:
-        if isinstance(block_types, (str, type)):
-            block_types = [block_types]
-        classes, names = _resolve_class_names(block_types, module)
-        matches = [
-            (n, m)
-            for n, m in module.named_modules()
-            if n and (isinstance(m, tuple(classes)) or type(m).__name__ in names)
-        ]
-        blocks = _outermost(matches)
-        how = "classes"
-        if not blocks:
-            wanted = sorted([c.__name__ for c in classes] + sorted(names))
-            raise NoBlocksFoundError(
-                f"block_types={{{', '.join(wanted)}}} names no module in {model_name}; the classes present"
-                f" are: {_present_classes(module)}. Pass one of them, or block_types='auto'."
-            )
+        blocks, how = _blocks_by_class(module, block_types), "classes"
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
     blocks.sort(key=lambda item: order[item[0]])
     types: list[type] = []
@@ -240,6 +210,54 @@ def find_transformer_blocks(
         if type(m) not in types:
             types.append(type(m))
     return BlockPlan(blocks=blocks, block_types=tuple(types), total_params=total, how=how)
+
+
+_HINT = (
+    "pass the block classes explicitly, e.g. block_types={MyBlock} (or class names: block_types="
+    "{'MyBlock'}), or a predicate block_types=lambda m: isinstance(m, MyBlock)"
+)
+
+
+def _blocks_auto(module: nn.Module, total: int, min_fraction: float) -> list[tuple[str, nn.Module]]:
+    blocks, why = _auto_blocks(module, total, min_fraction)
+    if not blocks:
+        raise NoBlocksFoundError(
+            f"block_types='auto' found no transformer blocks in {type(module).__name__} ({total:,} parameters):"
+            f" searched every nn.ModuleList / nn.Sequential / nn.ModuleDict for two or more sibling"
+            f" modules of one class that have parameterised children; {why}. To shard it anyway, {_HINT}."
+        )
+    return blocks
+
+
+def _blocks_by_predicate(
+    module: nn.Module, predicate: Callable[[nn.Module], bool]
+) -> list[tuple[str, nn.Module]]:
+    blocks = _outermost((n, m) for n, m in module.named_modules() if n and predicate(m))
+    if not blocks:
+        raise NoBlocksFoundError(
+            f"the block_types predicate matched no submodule of {type(module).__name__}; check it against"
+            f" the classes present: {_present_classes(module)}"
+        )
+    return blocks
+
+
+def _blocks_by_class(module: nn.Module, block_types: BlockTypes) -> list[tuple[str, nn.Module]]:
+    if isinstance(block_types, (str, type)):
+        block_types = [block_types]
+    classes, names = _resolve_class_names(block_types, module)
+    matches = [
+        (n, m)
+        for n, m in module.named_modules()
+        if n and (isinstance(m, tuple(classes)) or type(m).__name__ in names)
+    ]
+    blocks = _outermost(matches)
+    if not blocks:
+        wanted = sorted([c.__name__ for c in classes] + sorted(names))
+        raise NoBlocksFoundError(
+            f"block_types={{{', '.join(wanted)}}} names no module in {type(module).__name__}; the classes present"
+            f" are: {_present_classes(module)}. Pass one of them, or block_types='auto'."
+        )
+    return blocks
 
 
 def _present_classes(module: nn.Module) -> str:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lit_parallel.parallel.formatting import format_bytes
+
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 
@@ -44,15 +46,6 @@ class MemoryEstimate:
             f" {self.shard_size} of {self.world_size} ranks): params {format_bytes(self.param_bytes)},"
             f" grads {format_bytes(self.grad_bytes)}, optimizer state {format_bytes(self.optimizer_bytes)}"
         )
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.50 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return f"{n:,.2f} TiB"
 
 
 def _dtype_bytes(dtype: torch.dtype | int) -> int:

@@ -1,9 +1,9 @@
 """Tracing a transformer block's data flow for tensor-parallel plan inference (see
-:mod:`lit_parallel.parallel.tensor_parallel`).
+:mod:`lit_parallel.parallel.tp_infer`).
 
 The model runs once on a tiny input (on the meta device when it lives there) while a ``TorchFunctionMode``
 records which layer's output reaches which layer's input, how column outputs are reshaped into heads and
-split into chunks; :func:`_simulate` then runs one rank's forward with local shapes on the meta device.
+split into chunks; :func:`simulate` then runs one rank's forward with local shapes on the meta device.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from lit_parallel._compat import tree_flatten, tree_map
+from lit_parallel.parallel.example_inputs import call_with, hidden_states, token_ids
 
 _TRACE_BATCH, _TRACE_SEQ = 2, 5  # a tiny made-up input: (batch, sequence) tokens
 
 
-def _is_norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return True
     weight = getattr(module, "weight", None)
@@ -37,7 +39,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 @dataclass
-class _Flow:
+class Flow:
     """What one forward showed: for every node (Linear, norm, block input/output), the nodes whose
     outputs reached its input, plus the reshapes and splits applied to Linear outputs."""
 
@@ -70,7 +72,7 @@ def _sources(obj: Any) -> set[str]:
 class _FlowMode(TorchFunctionMode):
     """Propagates 'which node produced this' through every torch operation."""
 
-    def __init__(self, flow: _Flow, linears: set[str], states: set[int]):
+    def __init__(self, flow: Flow, linears: set[str], states: set[int]):
         super().__init__()
         self.flow, self.linears, self.states = flow, linears, states
 
@@ -118,7 +120,12 @@ def _meta_copy(obj: Any) -> Any:
     return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, obj)
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists, dicts (and registered pytree nodes such as model outputs)."""
+    return [leaf for leaf in tree_flatten(obj)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def first_tensor(args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             return ("arg", i)
@@ -128,60 +135,72 @@ def _first_tensor(args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
     return None
 
 
-def _trace(
-    model: nn.Module,
-    blocks: list[tuple[str, nn.Module]],
-    drive: Callable[[], Any],
-) -> _Flow:
-    """Run ``drive()`` once and record the data flow between the model's Linears, norms and blocks."""
-    flow = _Flow()
-    named = dict(model.named_modules())
-    linears = {n for n, m in named.items() if isinstance(m, nn.Linear)}
-    norms = {n for n, m in named.items() if _is_norm(m)}
-    block_names = [n for n, _ in blocks]
-    states = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
-    handles = []
-    mode = _FlowMode(flow, linears, states)
+class _FlowHooks:
+    """Forward hooks that record where each Linear's, norm's and block's input came from."""
 
-    def pre(name: str, module: nn.Module, args: tuple) -> None:
+    def __init__(self, flow: Flow, mode: _FlowMode):
+        self.flow, self.mode = flow, mode
+
+    def pre(self, name: str, module: nn.Module, args: tuple) -> None:
         if args and isinstance(args[0], torch.Tensor):
-            flow.inputs.setdefault(name, set()).update(getattr(args[0], _SRC, set()))
+            self.flow.inputs.setdefault(name, set()).update(getattr(args[0], _SRC, set()))
 
-    def post(name: str, module: nn.Module, args: tuple, out: Any) -> None:
-        if name not in flow.order:
-            flow.order.append(name)
-        mode._tag(out, {name})
+    def post(self, name: str, module: nn.Module, args: tuple, out: Any) -> None:
+        if name not in self.flow.order:
+            self.flow.order.append(name)
+        self.mode._tag(out, {name})
 
-    def block_pre(name: str, module: nn.Module, args: tuple, kwargs: dict):
-        where = _first_tensor(args, kwargs)
+    def block_pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict):
+        # the block's input gets a fresh alias tagged "<block>:in", so reads of the stream are seen
+        where = first_tensor(args, kwargs)
         if where is None:
             return None
         kind, key = where
         x = args[key] if kind == "arg" else kwargs[key]
-        flow.inputs.setdefault(f"{name}:in", set()).update(getattr(x, _SRC, set()))
-        if name not in flow.block_args:
-            flow.block_args[name] = (_meta_copy(args), _meta_copy(kwargs))
+        self.flow.inputs.setdefault(f"{name}:in", set()).update(getattr(x, _SRC, set()))
+        if name not in self.flow.block_args:
+            self.flow.block_args[name] = (_meta_copy(args), _meta_copy(kwargs))
         alias = x.view_as(x)
         setattr(alias, _SRC, {f"{name}:in"})
         if kind == "arg":
-            args = args[:key] + (alias,) + args[key + 1 :]
-        else:
-            kwargs = {**kwargs, key: alias}
-        return args, kwargs
+            return args[:key] + (alias,) + args[key + 1 :], kwargs
+        return args, {**kwargs, key: alias}
 
-    def block_post(name: str, module: nn.Module, args: tuple, out: Any) -> None:
-        flow.inputs.setdefault(f"{name}:out", set()).update(_sources(out))
-        flow.block_out.setdefault(name, _meta_copy(out))
+    def block_post(self, name: str, module: nn.Module, args: tuple, out: Any) -> None:
+        self.flow.inputs.setdefault(f"{name}:out", set()).update(_sources(out))
+        self.flow.block_out.setdefault(name, _meta_copy(out))
         for leaf in tree_flatten(out)[0]:
-            mode._tag(leaf, {f"{name}:out"})
+            self.mode._tag(leaf, {f"{name}:out"})
 
+    def register(
+        self, named: dict[str, nn.Module], nodes: set[str], blocks: list[str], handles: list
+    ) -> None:
+        """Hook every node and block, appending the handles to ``handles`` (removed by the caller)."""
+        for name in sorted(nodes):
+            handles.append(named[name].register_forward_pre_hook(partial(self.pre, name)))
+            handles.append(named[name].register_forward_hook(partial(self.post, name)))
+        for name in blocks:
+            handles.append(
+                named[name].register_forward_pre_hook(partial(self.block_pre, name), with_kwargs=True)
+            )
+            handles.append(named[name].register_forward_hook(partial(self.block_post, name)))
+
+
+def _trace(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    drive: Callable[[], Any],
+) -> Flow:
+    """Run ``drive()`` once and record the data flow between the model's Linears, norms and blocks."""
+    flow = Flow()
+    named = dict(model.named_modules())
+    linears = {n for n, m in named.items() if isinstance(m, nn.Linear)}
+    norms = {n for n, m in named.items() if is_norm(m)}
+    states = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    mode = _FlowMode(flow, linears, states)
+    handles: list = []
     try:
-        for name in sorted(linears | norms):
-            handles.append(named[name].register_forward_pre_hook(partial(pre, name)))
-            handles.append(named[name].register_forward_hook(partial(post, name)))
-        for name in block_names:
-            handles.append(named[name].register_forward_pre_hook(partial(block_pre, name), with_kwargs=True))
-            handles.append(named[name].register_forward_hook(partial(block_post, name)))
+        _FlowHooks(flow, mode).register(named, linears | norms, [n for n, _ in blocks], handles)
         was_training = model.training
         model.eval()
         try:
@@ -226,31 +245,23 @@ def _state_device(module: nn.Module) -> torch.device:
     return next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
 
 
-def _block_width(block: nn.Module) -> int | None:
+def block_width(block: nn.Module) -> int | None:
     for m in block.modules():
-        if _is_norm(m):
+        if is_norm(m):
             return int(m.weight.shape[0])
         if isinstance(m, nn.Linear):
             return m.in_features
     return None
 
 
-def _auto_trace(
+def auto_trace(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], example_inputs: Any
-) -> tuple[_Flow | None, str]:
+) -> tuple[Flow | None, str]:
     """Trace with the user's example inputs, else with made-up tokens or activations; (None, why) if impossible."""
     named = dict(model.named_modules())
     if example_inputs is not None:
-        if callable(example_inputs):
-            drive = partial(example_inputs, model)
-        elif isinstance(example_inputs, tuple):
-            drive = partial(model, *example_inputs)
-        elif isinstance(example_inputs, dict):
-            drive = partial(model, **example_inputs)
-        else:
-            drive = partial(model, example_inputs)
         try:
-            flow = _trace(model, blocks, drive)
+            flow = _trace(model, blocks, call_with(model, example_inputs))
         except Exception as err:  # noqa: BLE001 - any failure of user code means "no trace", said in the note
             return None, f"running the model on example_inputs failed: {type(err).__name__}: {err}"
         return flow, ""
@@ -261,7 +272,7 @@ def _auto_trace(
     embeddings = [m for m in owner.modules() if isinstance(m, nn.Embedding) and id(m) not in block_ids]
     device = _state_device(model)
     if embeddings and _required_positional(owner.forward) == 1:
-        tokens = torch.ones(_TRACE_BATCH, _TRACE_SEQ, dtype=torch.long, device=device)
+        tokens = token_ids(_TRACE_BATCH, _TRACE_SEQ, device)
         try:
             return _trace(model, blocks, partial(owner, tokens)), ""
         except Exception as err:  # noqa: BLE001
@@ -273,12 +284,12 @@ def _auto_trace(
             f"{owner_name or type(owner).__name__} does not look like a token model (one input, embeddings)"
         )
     first = blocks[0][1]
-    width = _block_width(first)
+    width = block_width(first)
     if width is not None and _required_positional(first.forward) == 1:
         dtype = next((p.dtype for p in first.parameters() if p.is_floating_point()), torch.float32)
 
         def drive() -> Any:
-            x = torch.zeros(_TRACE_BATCH, _TRACE_SEQ, width, dtype=dtype, device=device)
+            x = hidden_states(_TRACE_BATCH, _TRACE_SEQ, width, dtype, device)
             for _, block in blocks:
                 x = block(x)
             return x
@@ -292,6 +303,9 @@ def _auto_trace(
     return None, "; ".join(reasons)
 
 
+_auto_trace = auto_trace  # the old name, while example-input code elsewhere may still call it
+
+
 # --- simulated local forward (one rank, meta device) ----------------------------------------------------
 
 
@@ -299,10 +313,10 @@ class _LocalShapeError(RuntimeError):
     pass
 
 
-def _simulate(
+def simulate(
     block_name: str,
     block: nn.Module,
-    flow: _Flow,
+    flow: Flow,
     local: Mapping[str, tuple[int, int]],
     attrs: Sequence[tuple[str, str, int, int]],
     root: nn.Module,
@@ -347,9 +361,7 @@ def _simulate(
                 m.forward = fwd
         for m, attr, value in old_attrs:
             setattr(m, attr, value)
-    got = [tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    want = [
-        tuple(t.shape) for t in tree_flatten(flow.block_out[block_name])[0] if isinstance(t, torch.Tensor)
-    ]
+    got = [tuple(t.shape) for t in tensors_in(out)]
+    want = [tuple(t.shape) for t in tensors_in(flow.block_out[block_name])]
     if got != want:
         raise _LocalShapeError(f"the block's output has shape {got} per rank instead of {want}")

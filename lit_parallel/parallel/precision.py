@@ -1,0 +1,55 @@
+"""Bytes per parameter that training keeps under each Lightning precision flag (ZeRO's accounting).
+
+With mixed precision and Adam every parameter costs 2 bytes (fp16/bf16 parameter) + 2 bytes (gradient) +
+12 bytes (fp32 master weight, momentum and variance) = 16 bytes (Rajbhandari et al. 2020); in fp32 it costs
+4 + 4 + 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per parameter that training keeps (ZeRO's accounting), and the compute dtype's size.
+
+    Attributes:
+        params: the stored parameter (2 for fp16/bf16, 4 for fp32).
+        grads: its gradient.
+        optimizer: Adam's state: fp32 master weight + momentum + variance (12) with mixed precision,
+            momentum + variance (8) in fp32, both in half precision (4) with ``*-true`` half precision.
+        compute: bytes of one element in the compute dtype (block parameters gathered for a forward,
+            their gradients, activations).
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    compute: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "bf16-mixed": PrecisionBytes(2, 2, 12, 2),
+    "16-mixed": PrecisionBytes(2, 2, 12, 2),
+    "32-true": PrecisionBytes(4, 4, 8, 4),
+    "bf16-true": PrecisionBytes(2, 2, 4, 2),
+    "16-true": PrecisionBytes(2, 2, 4, 2),
+}
+# Lightning's short spellings of the same flags
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}
+
+
+def precision_bytes(precision: str) -> PrecisionBytes:
+    """The accounting for a Lightning precision flag (``"bf16-mixed"``, ``"32-true"``, ...)."""
+    flag = PRECISION_ALIASES.get(str(precision), str(precision))
+    if flag not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not one of {', '.join(PRECISIONS)}; mixed precision"
+            " (bf16-mixed, 16-mixed) counts 2 + 2 + 12 bytes per parameter, 32-true counts 4 + 4 + 8"
+        )
+    return PRECISIONS[flag]
