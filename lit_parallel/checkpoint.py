@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from lit_parallel import _compat
+
 _METADATA = ".metadata"
 # Lightning's file inside a sharded checkpoint: loops, callbacks, hyper-parameters, RNG states
 LIGHTNING_META = "meta.pt"
@@ -54,7 +56,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
 
 def _allowed_metadata_globals() -> set[Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import metadata
 
     return {
         metadata.Metadata,
@@ -64,10 +66,10 @@ def _allowed_metadata_globals() -> set[Any]:
         metadata.ChunkStorageMetadata,
         metadata.TensorProperties,
         metadata.StorageMeta,
-        metadata._MEM_FORMAT_ENCODING,
-        filesystem._StorageInfo,
+        _compat.MEM_FORMAT_ENCODING,
+        _compat.StorageInfo,
         torch.Size,
-        torch.serialization._get_layout,
+        _compat.get_layout,
         Path,
         type(Path()),
         # containers and scalars pickled by reference
@@ -135,14 +137,13 @@ def _safe_reader(path: Path):
 def _weights_only_planner(base: type) -> type:
     """``base`` (a DCP load planner) whose non-tensor entries load with ``weights_only=True`` (DCP's own
     planners unpickle them with ``weights_only=False``)."""
-    from torch.distributed.checkpoint._traverse import set_element as _set
 
     class _Planner(base):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
             obj = _weights_only_load(value, fqn)
             if self.flatten_state_dict:
-                _set(self.original_state_dict, self.mappings[fqn], obj)
+                _compat.set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:
                 self.state_dict[fqn] = obj
 
@@ -226,15 +227,6 @@ def verify_checkpoint(path: str | Path, *, lightning: bool = True) -> str:
     return "sharded"
 
 
-def load_checkpoint_file(path: str | Path, map_location: Any = "cpu") -> dict:
-    """``torch.load(path, weights_only=True)`` after :func:`verify_checkpoint`; errors name the problem."""
-    verify_checkpoint(path)
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except RuntimeError as err:
-        raise IncompleteCheckpointError(f"checkpoint file {str(path)!r} cannot be read: {err}") from None
-
-
 # --- writing under a temporary name -----------------------------------------------------------------------
 
 
@@ -294,22 +286,12 @@ def atomic_save(write: Callable[[Path], None], destination: str | Path) -> None:
     commit(partial, destination)
 
 
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """A ``torch.distributed.checkpoint`` folder."""
-    return Path(path).is_dir() and (Path(path) / _METADATA).is_file()
-
-
 def load_sharded(checkpoint_dir: str | Path, keys: set[str] | None = None) -> dict:
     """Read a sharded checkpoint into one process, unsharded (no process group needed).
 
     Args:
         keys: top-level entries to read (e.g. ``{"state_dict"}``); ``None`` reads everything.
     """
-    # The planner that torch's own dcp_to_torch_save uses: it builds the state dict from the metadata,
-    # so nothing has to be allocated beforehand.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     path = Path(checkpoint_dir)
     if path.is_file() or (path.is_dir() and not any(path.iterdir())):
         raise ValueError(
@@ -318,10 +300,12 @@ def load_sharded(checkpoint_dir: str | Path, keys: set[str] | None = None) -> di
         )
     verify_checkpoint(path, lightning=False)  # names what an interrupted save left out
     state: dict = {}
-    _load_state_dict(
+    _compat.load_state_dict(
         state,
         storage_reader=_safe_reader(path),
-        planner=_weights_only_planner(_EmptyStateDictLoadPlanner)(keys=keys),
+        # the planner of torch's own dcp_to_torch_save: it builds the state dict from the metadata, so
+        # nothing has to be allocated beforehand
+        planner=_weights_only_planner(_compat.EmptyStateDictLoadPlanner)(keys=keys),
         no_dist=True,
     )
     return state

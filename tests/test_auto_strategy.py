@@ -134,6 +134,7 @@ def test_several_nodes_whose_node_holds_the_sharded_state_get_hsdp_with_its_argu
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, logger=False)
     launcher, precision = trainer.strategy.launcher, trainer.strategy.precision_plugin
     model = TokenLM()
+    model.trainer = trainer  # as fit attaches it before connecting
     trainer.strategy._lightning_module = model
     trainer.strategy.connect(model)
     s = trainer.strategy
@@ -150,6 +151,7 @@ def test_the_decision_follows_the_trainer_precision(precision, chosen):
     strategy = lp.AutoStrategy(memory_gb=0.00008)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, logger=False)
     model = TokenLM()
+    model.trainer = trainer  # as fit attaches it before connecting
     trainer.strategy._lightning_module = model
     trainer.strategy.connect(model)
     advice = trainer.strategy.advice

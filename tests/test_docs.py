@@ -39,6 +39,7 @@ GUIDES = [
     "troubleshooting.md",
     "recipes.md",
     "cli.md",
+    "architecture.md",
     "api/strategies.md",
     "api/callbacks.md",
     "api/parallel.md",

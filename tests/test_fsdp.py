@@ -34,6 +34,7 @@ SCENARIOS = [
     "checkpointing_compile_offload",
     "clip_mixed_dtensor",
     "prebuilt_dtensors",
+    "parallelize_without_trainer",
 ]
 
 
@@ -278,3 +279,29 @@ def test_model_sharded_in_configure_model_is_refused_with_the_fix(run):
     )
     assert out["TensorParallelStrategy"].startswith("TensorParallelStrategy parallelizes the model itself")
     assert "configure_model (pass your own plan=... instead), or use" in out["TensorParallelStrategy"]
+
+
+@pytest.mark.timeout(480)
+def test_parallelize_without_a_trainer_matches_single_process_and_syncs_rank0_weights(run):
+    out = run.scenario("parallelize_without_trainer")
+    model = sc.build_model("gpt", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, _ = sc.lm_dataset(n=12).tensors
+    ref_losses = []
+    for step in range(3):
+        loss = torch.nn.functional.cross_entropy(
+            model(x[4 * step : 4 * step + 4]).flatten(0, 1), y[4 * step : 4 * step + 4].flatten()
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    # each rank's loss is the mean over its half of the batch; the global loss is their mean
+    losses = torch.stack([r["losses"] for r in out]).mean(0)
+    assert_rel_close(losses, torch.tensor(ref_losses, dtype=torch.float64), what="parallelize: losses")
+    for name, expected in model.state_dict().items():
+        assert_rel_close(out[0]["params"][name], expected, what=f"parallelize: {name}")
+    for r in out:
+        assert r["blocks"] == GPTConfig().n_layer and r["fsdp_groups"] == GROUPS
+        assert r["checkpointed"] == GPTConfig().n_layer

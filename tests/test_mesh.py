@@ -53,3 +53,30 @@ def test_non_positive_or_non_integer_sizes_are_refused(bad):
 def test_divisors():
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
     assert divisors(1) == [1]
+
+
+def test_each_layout_has_a_constructor_whose_errors_show_the_arithmetic():
+    assert ParallelDims.for_ddp(4).shape == (1, 4, 1) and ParallelDims.for_fsdp(4).shape == (1, 4, 1)
+    # tp_dp: tensor parallelism stays inside a node unless data parallelism is given
+    assert ParallelDims.for_tensor_parallel(num_nodes=2, devices_per_node=4).shape == (1, 2, 4)
+    assert ParallelDims.for_tensor_parallel(num_nodes=1, devices_per_node=8, data_parallel=2).shape == (
+        1,
+        2,
+        4,
+    )
+    three_d = ParallelDims.for_tensor_parallel(
+        num_nodes=2, devices_per_node=4, tensor_parallel=2, data_parallel_replicate=2
+    )
+    assert three_d.shape == (2, 2, 2) and three_d.mesh_dim_names[0] == "data_parallel_replicate"
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 does not divide the world size 8"):
+        ParallelDims.for_tensor_parallel(num_nodes=2, devices_per_node=4, data_parallel=3)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size\(3\) \* data_parallel_replicate_size\(1\) = 3"
+    ):
+        ParallelDims.for_tensor_parallel(num_nodes=1, devices_per_node=4, tensor_parallel=3)
+
+
+def test_the_mesh_is_owned_by_the_dims_and_refused_before_it_is_built():
+    dims = ParallelDims.for_fsdp(2)
+    with pytest.raises(RuntimeError, match="not built yet"):
+        dims.fsdp_mesh()

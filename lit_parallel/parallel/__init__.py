@@ -12,10 +12,9 @@ from lit_parallel.parallel.buckets import (
 )
 from lit_parallel.parallel.comm import Collective, CollectiveStats, CommCounter, count_collectives
 from lit_parallel.parallel.ddp import COMM_HOOKS, average_gradients, build_comm_hook, validate_comm_hook
+from lit_parallel.parallel.formatting import divisors, format_bytes, format_choices
 from lit_parallel.parallel.fsdp import (
     FSDPPlan,
-    apply_activation_checkpointing,
-    apply_compile,
     apply_fsdp,
     clip_grad_norm_,
     full_state_dict,
@@ -32,9 +31,15 @@ from lit_parallel.parallel.memory import (
     estimate_memory,
     training_state_bytes,
 )
-from lit_parallel.parallel.mesh import ParallelDims, divisors
+from lit_parallel.parallel.mesh import ParallelDims
 
-# tensor parallelism inside blocks: plan inference and application (issue 4)
+# the one orchestrating function: TP -> activation checkpointing -> compile -> FSDP
+from lit_parallel.parallel.parallelize import (
+    ParallelizeConfig,
+    apply_activation_checkpointing,
+    apply_compile,
+    parallelize,
+)
 from lit_parallel.parallel.tensor_parallel import (
     TPLayer,
     TPPlan,
@@ -45,6 +50,9 @@ from lit_parallel.parallel.tensor_parallel import (
     local_parameter_bytes,
     plan_from_spec,
 )
+
+# tensor parallelism inside blocks: plan inference and application (issue 4); per-family plan providers
+from lit_parallel.parallel.tp_families import PLAN_PROVIDERS, PlanProvider
 
 # exposed communication under any strategy (PitfallReport, issue 5)
 from lit_parallel.parallel.waits import CollectiveWaitTimer, Window, transfer_waits
@@ -73,6 +81,8 @@ __all__ = [
     "estimate_comm_bytes",
     "estimate_memory",
     "find_transformer_blocks",
+    "format_bytes",
+    "format_choices",
     "FSDPPlan",
     "full_state_dict",
     "gradient_bytes_in_ready_order",
@@ -86,7 +96,11 @@ __all__ = [
     "NoBlocksFoundError",
     "offload_policy",
     "ParallelDims",
+    "parallelize",
+    "ParallelizeConfig",
     "plan_from_spec",
+    "PLAN_PROVIDERS",
+    "PlanProvider",
     "plan_fsdp",
     "set_gradient_sync",
     "TPLayer",

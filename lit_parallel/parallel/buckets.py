@@ -58,6 +58,22 @@ def _align(nbytes: float) -> int:
     return max(_ALIGN, int(-(-nbytes // _ALIGN)) * _ALIGN)
 
 
+def needs_single_bucket(comm_hook: str | None, backend: str) -> bool:
+    """PowerSGD's hook crashes on gloo with more than one bucket (torch 2.13): all gradients in one."""
+    return comm_hook == "powersgd" and backend == "gloo"
+
+
+def single_bucket_plan(gradient_bytes: int, why: str) -> BucketPlan:
+    """One bucket that holds every gradient (no overlap of communication with backward)."""
+    cap = _align(gradient_bytes + 1)
+    return BucketPlan(
+        cap,
+        cap,
+        f"{why}: one bucket of {cap / MiB:.3f} MiB holds all {gradient_bytes / MiB:.3f} MiB of gradients"
+        " (no overlap)",
+    )
+
+
 def choose_bucket_sizes(
     measurement: AllReduceMeasurement,
     grad_bytes: Sequence[int],

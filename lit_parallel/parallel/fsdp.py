@@ -1,28 +1,16 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) applied per transformer block, without a Trainer.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) per transformer block, without a Trainer: sharding, the
+precision and offload policies, gradient sync control, clipping of sharded gradients, full state dicts and
+the plan the strategies log.
 
-:func:`apply_fsdp` is the orchestrating function; it runs small steps in a fixed order::
-
-    plan = find_transformer_blocks(module)          # which modules are blocks
-    sync or materialise the parameters outside blocks
-    for each block, in module order:
-        materialise it if it is on the meta device  # one block's full weights at a time
-        apply_activation_checkpointing(block)       # recompute activations in backward
-        apply_compile(block)                        # after AC, before FSDP (torchtitan's order)
-        fully_shard(block)                          # one all-gather / reduce-scatter group per block
-    fully_shard(module)                             # the rest (embeddings, final norm, heads), bottom-up
-
-The root group is the module itself, so parameters outside blocks are sharded too; its extra forward
-methods (``training_step``, ...) are registered with FSDP so that they are gathered even when the
-module's own ``forward`` is never called (a LightningModule whose ``training_step`` calls ``self.model``).
+:func:`apply_fsdp` only shards; the order of the steps around it (tensor parallel, activation
+checkpointing, compile, materialisation) is :func:`lit_parallel.parallel.parallelize`'s.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_parallel._compat import foreach_mul_
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
+from lit_parallel.parallel.formatting import format_bytes
+from lit_parallel.parallel.materialize import mesh_device
 from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
 from lit_parallel.parallel.mesh import ParallelDims
 
@@ -76,207 +67,55 @@ def offload_policy(cpu_offload: bool, device: torch.device, *, warn: bool = True
     return CPUOffloadPolicy()
 
 
-# --- steps ----------------------------------------------------------------------------------------------
-
-
-def apply_activation_checkpointing(block: nn.Module) -> None:
-    """Recompute ``block``'s activations in backward instead of storing them (non-reentrant checkpoint).
-
-    The module keeps its name and class (no wrapper), so state-dict keys and ``block_types`` still match.
-    FSDP's hooks stay outside the checkpointed function: the recomputation runs on the parameters FSDP
-    gathered for backward.
-    """
-    if getattr(block, "_lp_activation_checkpointing", False):
-        return
-    inner = block.forward
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    block.forward = forward
-    block._lp_activation_checkpointing = True
-
-
-def apply_compile(block: nn.Module, compile_kwargs: Mapping[str, Any] | None = None) -> None:
-    """``torch.compile`` the block in place (``nn.Module.compile``: names and state-dict keys unchanged)."""
-    block.compile(**dict(compile_kwargs or {}))
-
-
-def _has_meta(module: nn.Module, recurse: bool = True) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(recurse), module.buffers(recurse)))
-
-
-def _reset(module: nn.Module, uninitialised: set[str]) -> None:
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        reset()
-    else:
-        uninitialised.add(type(module).__name__)
-
-
-def _materialise_tree(module: nn.Module, device: torch.device, uninitialised: set[str]) -> None:
-    """to_empty + reset_parameters of every module of the subtree that has meta states of its own
-    (pre-order, as Lightning does); modules already materialised keep their values."""
-    was_meta = [sub for sub in module.modules() if _has_meta(sub, recurse=False)]
-    for sub in was_meta:
-        sub.to_empty(device=device, recurse=False)
-    for sub in was_meta:
-        _reset(sub, uninitialised)
-
-
-@contextmanager
-def _rank0_rng(device: torch.device) -> Iterator[None]:
-    """Every rank draws the random numbers rank 0 draws, so initialisation is identical across ranks."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        yield
-        return
-    states: list[Any] = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    dist.broadcast_object_list(states, src=0)
-    torch.set_rng_state(states[0].cpu())
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1].cpu(), device)
-    yield
-
-
-def _broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
-    """Make every rank's copy equal rank 0's (one flat broadcast per dtype/device)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    for (_, t_device), ts in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        flat = _flatten_dense_tensors([t.detach() for t in ts])
-        if t_device.type == "cpu" and dist.get_backend() == "nccl":
-            flat = flat.cuda()
-        dist.broadcast(flat, src=0)
-        with torch.no_grad():
-            for t, synced in zip(ts, _unflatten_dense_tensors(flat, ts)):
-                t.copy_(synced)
-
-
-def _local_states(module: nn.Module, recurse: bool) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return [
-        t
-        for t in itertools.chain(module.parameters(recurse), module.buffers(recurse))
-        if not isinstance(t, DTensor) and not t.is_meta
-    ]
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    handle = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, handle.current_device())
-
-
 def apply_fsdp(
     module: nn.Module,
     mesh: DeviceMesh,
+    blocks: BlockTypes | BlockPlan | Iterable[nn.Module] = "auto",
     *,
-    block_types: BlockTypes | BlockPlan = "auto",
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload: OffloadPolicy | None = None,
-    activation_checkpointing: bool = False,
-    compile: bool | Mapping[str, Any] = False,
     forward_methods: Iterable[str] = (),
-    sync_module_states: bool = True,
-) -> BlockPlan:
-    """Shard ``module`` with FSDP2 block by block over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP).
+) -> None:
+    """Shard ``module`` with FSDP2 over ``mesh`` (1-D: FSDP; 2-D (replicate, shard): HSDP): each block, then
+    the root (bottom-up), so that each block is one all-gather / reduce-scatter group and the parameters
+    outside blocks (embeddings, final norm, heads) are sharded too.
 
     Args:
-        block_types: what the blocks are (see :func:`find_transformer_blocks`) or a ready plan.
+        blocks: the blocks (modules, in module order; may be a generator that readies each block just
+            before it is sharded, as :func:`~lit_parallel.parallel.parallelize` does), a block plan, or
+            ``block_types`` for :func:`find_transformer_blocks`.
         reshard_after_forward: ``True`` frees gathered parameters after forward and gathers them again in
-            backward (ZeRO-3); ``False`` keeps them until after backward (ZeRO-2). Applies to every group,
-            the root included.
+            backward (ZeRO-3); ``False`` keeps them until after backward (ZeRO-2). Applies to every group.
         mp_policy: FSDP2 mixed-precision policy (``None``: compute in the parameters' dtype).
         offload: FSDP2 offload policy (``None``: keep everything on the device).
-        activation_checkpointing: recompute each block's activations in backward.
-        compile: ``torch.compile`` each block (``True`` or a dict of ``torch.compile`` arguments).
         forward_methods: methods of ``module`` besides ``forward`` that run the model
-            (``"training_step"``, ...): FSDP gathers the root group's parameters around them.
-        sync_module_states: for a module that is not on the meta device, copy rank 0's parameters and
-            buffers to every rank before sharding (as DDP does), so that ranks cannot start from
-            different initialisations.
-
-    A module (partly) on the meta device is materialised on the mesh's device: parameters outside blocks
-    first, then each block just before it is sharded, so no rank ever holds more than the non-block
-    parameters plus one full block plus its shards. Each module's ``reset_parameters()`` initialises its
-    own parameters and buffers (modules without one are listed in a warning), with rank 0's random
-    generator state on every rank.
-
-    Returns the block plan that was applied.
+            (``"training_step"``, ...): FSDP gathers the root group's parameters around them even when the
+            module's own ``forward`` is never called.
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"{type(module).__name__} already has FSDP applied; apply_fsdp must run once")
-    plan = block_types if isinstance(block_types, BlockPlan) else find_transformer_blocks(module, block_types)
-    device = _mesh_device(mesh)
+    if isinstance(blocks, (str, BlockPlan)) or callable(blocks) or _is_type_set(blocks):
+        plan = blocks if isinstance(blocks, BlockPlan) else find_transformer_blocks(module, blocks)
+        blocks = [block for _, block in plan.blocks]
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if offload is not None:
         kwargs["offload_policy"] = offload
-    compile_kwargs = None if compile is False else ({} if compile is True else dict(compile))
-
-    block_ids = {id(b) for _, b in plan.blocks}
-    inside_block: set[int] = set()
-    for _, block in plan.blocks:
-        inside_block.update(id(m) for m in block.modules())
-    outside = [m for m in module.modules() if id(m) not in inside_block]
-
-    meta = _has_meta(module)
-    outside_meta = {id(m) for m in outside if _has_meta(m, recurse=False)}
-    uninitialised: set[str] = set()
-    with _rank0_rng(device) if meta else nullcontext():
-        if meta:
-            # Parameters outside blocks are needed whole for a moment anyway (the root group shards them last).
-            for m in outside:
-                if id(m) in outside_meta:
-                    m.to_empty(device=device, recurse=False)
-        elif sync_module_states:
-            _broadcast_from_rank0([t for m in outside for t in _local_states(m, recurse=False)])
-        # Pre-order traversal, as Lightning's materialisation does: the same reset_parameters calls in the
-        # same order draw the same random numbers as initialising the whole model in one process.
-        skip: set[int] = set()
-        for m in module.modules():
-            if id(m) in skip:
-                continue
-            if id(m) in block_ids:
-                skip.update(id(sub) for sub in m.modules())
-                if _has_meta(m):
-                    _materialise_tree(m, device, uninitialised)
-                elif sync_module_states:
-                    _broadcast_from_rank0(_local_states(m, recurse=True))
-                if activation_checkpointing:
-                    apply_activation_checkpointing(m)
-                if compile_kwargs is not None:
-                    apply_compile(m, compile_kwargs)
-                fully_shard(m, **kwargs)
-            elif id(m) in outside_meta:
-                _reset(m, uninitialised)
-    if uninitialised:
-        warnings.warn(
-            "Initialisation from the meta device is incomplete: these modules have parameters or buffers but"
-            f" no reset_parameters() to initialise them, so they hold uninitialised memory:"
-            f" {', '.join(sorted(uninitialised))}. Define reset_parameters() on them or load weights"
-            " (load_full_state_dict) before training.",
-            stacklevel=2,
-        )
+    for block in blocks:
+        fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     for name in forward_methods:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)
-    return plan
+
+
+def _is_type_set(blocks: Any) -> bool:
+    """``block_types`` given as classes or class names (rather than the block modules themselves)."""
+    if isinstance(blocks, (list, tuple, set, frozenset)):
+        return all(isinstance(b, (type, str)) for b in blocks) and len(blocks) > 0
+    return False
 
 
 # --- training-time helpers ------------------------------------------------------------------------------
@@ -364,7 +203,7 @@ def clip_grad_norm_(
         if isinstance(members[0], DTensor):
             mesh, placements = members[0].device_mesh, members[0].placements
             value = norm if inf else norm**norm_type
-            value = value.to(_mesh_device(mesh))
+            value = value.to(mesh_device(mesh))
             for dim, placement in enumerate(placements):
                 # every split dimension is summed: Shard, and FSDP's _StridedShard for TP-split weights
                 if not placement.is_replicate():
@@ -384,7 +223,7 @@ def clip_grad_norm_(
         t = g.to_local() if isinstance(g, DTensor) else g
         by_device.setdefault(t.device, []).append(t)
     for dev, ts in by_device.items():
-        torch._foreach_mul_(ts, coef.to(dev))
+        foreach_mul_(ts, coef.to(dev))
     return total
 
 
@@ -457,6 +296,21 @@ class FSDPPlan:
             ]
         )
 
+    def summary(self) -> str:
+        """The decision in one line (what the strategies log at INFO; :meth:`describe` has the details)."""
+        mode = "ZeRO-3" if self.reshard_after_forward else "ZeRO-2"
+        extras = [f"precision {self.precision}"]
+        extras += ["activation checkpointing"] if self.activation_checkpointing else []
+        extras += ["compile"] if self.compile else []
+        extras += ["cpu offload"] if self.cpu_offload else []
+        classes = ", ".join(c.__name__ for c in self.blocks.block_types)
+        per_class = "; ".join(self.blocks.counts())
+        return (
+            f"FSDP2 plan ({self.blocks.how} block discovery): block classes {classes}: {per_class} + root;"
+            f" {mode}, {', '.join(extras)}; {format_bytes(self.memory.total_bytes)} per rank"
+            f" ({self.memory.strategy} over {self.dims.data_parallel_shard} of {self.dims.world_size} ranks)"
+        )
+
     def __str__(self) -> str:
         return self.describe()
 
@@ -483,7 +337,7 @@ def plan_fsdp(
         block_types if isinstance(block_types, BlockPlan) else find_transformer_blocks(module, block_types)
     )
     if shard_size is None or shard_size == world_size:
-        dims = ParallelDims(world_size=world_size)
+        dims = ParallelDims.for_fsdp(world_size)
     else:
         dims = ParallelDims.for_hybrid_shard(world_size, shard_size)
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -1,8 +1,11 @@
 """Parallel degrees and the one device mesh built from them.
 
 :class:`ParallelDims` holds the sizes of every parallel dimension, checks them together (the error shows
-the arithmetic), and is the only place that calls ``init_device_mesh``. Dimension names are Lightning's
-(``ModelParallelStrategy``), so user code written for it keeps working:
+the arithmetic), builds the device mesh once and keeps it (``dims.mesh``); it is the only place that calls
+``init_device_mesh``. One constructor per layout: :meth:`ParallelDims.for_ddp`, :meth:`~ParallelDims.for_fsdp`,
+:meth:`~ParallelDims.for_hybrid_shard` and :meth:`~ParallelDims.for_tensor_parallel` (2-D, and 3-D with
+replication). Dimension names are Lightning's (``ModelParallelStrategy``), so user code written for it keeps
+working:
 
 - ``data_parallel_replicate``: replicas of the model (across nodes in HSDP)
 - ``data_parallel_shard``: ranks a parameter is sharded over (FSDP)
@@ -14,8 +17,12 @@ the arithmetic), and is the only place that calls ``init_device_mesh``. Dimensio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from lit_parallel._compat import flatten_mesh
+from lit_parallel.parallel.formatting import divisors, format_choices
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -24,24 +31,39 @@ DP_REPLICATE = "data_parallel_replicate"
 DP_SHARD = "data_parallel_shard"
 TP = "tensor_parallel"
 DP = "data_parallel"
+# every name a data-parallel mesh dimension can have (metric reductions look for any of them)
+DATA_PARALLEL_DIMS = (DP, DP_REPLICATE, DP_SHARD)
 
-# (shape, split, device type) -> (default process group it was built on, mesh)
-_MESHES: dict[tuple, tuple[Any, DeviceMesh]] = {}
+Size = Literal["auto"] | int
+
+# Meshes of every shape built on a default process group, held only as long as that group lives: a second
+# ParallelDims of the same shape in the same process (a second Trainer, a notebook re-run) reuses the mesh and
+# its sub-groups instead of creating new process groups each time.
+_MESHES_BY_GROUP: weakref.WeakKeyDictionary[Any, dict[tuple, DeviceMesh]] = weakref.WeakKeyDictionary()
+
+__all__ = [
+    "DATA_PARALLEL_DIMS",
+    "DP",
+    "DP_REPLICATE",
+    "DP_SHARD",
+    "TP",
+    "ParallelDims",
+    "check_size",
+    "divisors",
+]
 
 
-def divisors(n: int) -> list[int]:
-    """The positive divisors of ``n`` in increasing order (for "choose 1, 2 or 4" in error messages)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+def check_size(name: str, value: Any, *, auto: bool = False) -> None:
+    """A parallel size must be a positive integer (or ``"auto"`` where ``auto``)."""
+    if auto and value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be {'auto or ' if auto else ''}a positive integer")
 
 
-def _choices(values: list[int]) -> str:
-    text = [str(v) for v in values]
-    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
-
-
-@dataclass(frozen=True)
+@dataclass
 class ParallelDims:
-    """Sizes of the parallel dimensions; validated together when created.
+    """Sizes of the parallel dimensions, validated together when created, and the mesh built from them.
 
     Args:
         world_size: number of ranks in the job.
@@ -55,12 +77,11 @@ class ParallelDims:
     data_parallel_replicate: int = 1
     data_parallel_shard: int = -1
     tensor_parallel: int = 1
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "data_parallel_replicate", "tensor_parallel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            check_size(name, getattr(self, name))
         shard = self.data_parallel_shard
         if not isinstance(shard, int) or isinstance(shard, bool) or (shard < 1 and shard != -1):
             raise ValueError(
@@ -72,16 +93,27 @@ class ParallelDims:
                 raise ValueError(
                     f"data_parallel_replicate({rep}) * tensor_parallel({tp}) = {rep * tp} does not divide"
                     f" world size ({world}); choose sizes whose product divides {world}"
-                    f" (divisors: {_choices(divisors(world))})"
+                    f" (divisors: {format_choices(divisors(world))})"
                 )
-            object.__setattr__(self, "data_parallel_shard", world // (rep * tp))
-            shard = self.data_parallel_shard
+            shard = self.data_parallel_shard = world // (rep * tp)
         if rep * shard * tp != world:
             raise ValueError(
                 f"data_parallel_replicate({rep}) * data_parallel_shard({shard}) * tensor_parallel({tp})"
                 f" = {rep * shard * tp} != world size ({world}); the product of the parallel sizes must equal"
                 f" the number of ranks"
             )
+
+    # --- one constructor per layout ----------------------------------------------------------------------
+
+    @classmethod
+    def for_ddp(cls, world_size: int) -> ParallelDims:
+        """DDP: every rank holds the whole model and reads different data (one ``data_parallel`` dimension)."""
+        return cls(world_size=world_size)
+
+    @classmethod
+    def for_fsdp(cls, world_size: int) -> ParallelDims:
+        """FSDP: every rank holds 1/world_size of the model and reads different data."""
+        return cls(world_size=world_size)
 
     @classmethod
     def for_hybrid_shard(cls, world_size: int, shard_size: int, tensor_parallel: int = 1) -> ParallelDims:
@@ -94,7 +126,7 @@ class ParallelDims:
             raise ValueError(
                 f"shard_size={shard_size} does not divide world size {world_size}"
                 + (f" (data-parallel size {dp})" if tensor_parallel > 1 and dp is not None else "")
-                + f"; choose {_choices(ok)}"
+                + f"; choose {format_choices(ok)}"
             )
         return cls(
             world_size=world_size,
@@ -102,6 +134,60 @@ class ParallelDims:
             data_parallel_shard=shard_size,
             tensor_parallel=tensor_parallel,
         )
+
+    @classmethod
+    def for_tensor_parallel(
+        cls,
+        *,
+        num_nodes: int,
+        devices_per_node: int,
+        data_parallel: Size = "auto",
+        tensor_parallel: Size = "auto",
+        data_parallel_replicate: int = 1,
+    ) -> ParallelDims:
+        """Dims for TP + FSDP (2-D) or TP + HSDP (3-D, ``data_parallel_replicate > 1``).
+
+        ``"auto"`` sizes: tensor parallelism stays inside a node (``tensor_parallel = devices_per_node``)
+        unless ``data_parallel`` is given, then it takes what data parallelism leaves.
+        """
+        world = num_nodes * devices_per_node
+        layout = f"num_nodes({num_nodes}) * devices({devices_per_node})"
+        tp, dp, rep = tensor_parallel, data_parallel, data_parallel_replicate
+        if tp == "auto" and dp == "auto":
+            tp = devices_per_node
+        elif tp == "auto":
+            if world % dp:
+                raise ValueError(
+                    f"data_parallel_size={dp} does not divide the world size {world} = {layout}; choose"
+                    f" {format_choices(divisors(world))}"
+                )
+            tp = world // dp
+        if dp == "auto":
+            if world % (tp * rep):
+                raise ValueError(
+                    f"tensor_parallel_size({tp}) * data_parallel_replicate_size({rep}) = {tp * rep} does not"
+                    f" divide the world size {world} = {layout}; choose sizes whose product divides {world}"
+                )
+            dp = world // tp
+        if dp % rep:
+            raise ValueError(
+                f"data_parallel_replicate_size={rep} does not divide data_parallel_size={dp} (the data-parallel"
+                f" ranks are replicate x shard); choose {format_choices(divisors(dp))}"
+            )
+        try:
+            return cls(
+                world_size=world,
+                data_parallel_replicate=rep,
+                data_parallel_shard=dp // rep,
+                tensor_parallel=tp,
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"{err} (tp_dp: data_parallel_size={dp} = data_parallel_replicate({rep}) *"
+                f" data_parallel_shard({dp // rep}), tensor_parallel_size={tp}, world size = {layout})"
+            ) from None
+
+    # --- sizes --------------------------------------------------------------------------------------------
 
     @property
     def data_parallel(self) -> int:
@@ -111,10 +197,6 @@ class ParallelDims:
     @property
     def replicate_enabled(self) -> bool:
         return self.data_parallel_replicate > 1
-
-    @property
-    def shard_enabled(self) -> bool:
-        return self.data_parallel_shard > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -135,14 +217,16 @@ class ParallelDims:
         """Mesh dimensions FSDP runs over: (replicate, shard) for HSDP, otherwise ``data_parallel``."""
         return (DP_REPLICATE, DP_SHARD) if self.replicate_enabled else (DP,)
 
+    # --- the mesh -----------------------------------------------------------------------------------------
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Build the device mesh (the only ``init_device_mesh`` call in the package).
+        """Build the device mesh once and keep it (the only ``init_device_mesh`` call in the package).
 
         Without replication: 2-D ``(data_parallel, tensor_parallel)``. With replication: 3-D
         ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)`` plus ``data_parallel``, the
         replicate and shard dimensions flattened. Unused dimensions have size 1, so lookups by name work.
-        Needs an initialised default process group of ``world_size`` ranks. Several Trainers in one process
-        share the mesh (and its process groups) as long as the default process group is the same.
+        Needs an initialised default process group of ``world_size`` ranks. An equal mesh built earlier on the
+        same default process group is reused (its sub-groups too) rather than built again.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -152,37 +236,49 @@ class ParallelDims:
                 f"ParallelDims(world_size={self.world_size}) does not match the process group's world size"
                 f" {dist.get_world_size()}"
             )
-        default_group = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        shared = _MESHES_BY_GROUP.setdefault(dist.group.WORLD, {}) if dist.is_initialized() else {}
         key = (self.shape, self.replicate_enabled, device_type)
-        cached = _MESHES.get(key)
-        if cached is not None and default_group is not None and cached[0] is default_group:
-            return cached[1]
+        if key in shared:
+            self._mesh = shared[key]
+            return self._mesh
         if not self.replicate_enabled:
             mesh = init_device_mesh(
                 device_type, (self.data_parallel, self.tensor_parallel), mesh_dim_names=(DP, TP)
             )
         else:
             mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP))
-            mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
-        if default_group is not None:
-            _MESHES[key] = (default_group, mesh)
+            flatten_mesh(mesh[(DP_REPLICATE, DP_SHARD)], DP)
+        self._mesh = shared[key] = mesh
         return mesh
 
-    def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh :meth:`build_mesh` built."""
+        if self._mesh is None:
+            raise RuntimeError(
+                "ParallelDims.mesh is not built yet: call build_mesh(device_type) once the process group exists"
+            )
+        return self._mesh
+
+    def data_parallel_mesh(self) -> DeviceMesh:
         """The 1-D mesh of all data-parallel ranks (the flattened dimension when data parallelism is split)."""
         if self.replicate_enabled:
-            # _flatten returns the mesh flattened in build_mesh (slicing it from the root is deprecated)
-            return mesh[(DP_REPLICATE, DP_SHARD)]._flatten(DP)
-        return mesh[DP]
+            # flattening again returns the mesh flattened in build_mesh (slicing it from the root is deprecated)
+            return flatten_mesh(self.mesh[(DP_REPLICATE, DP_SHARD)], DP)
+        return self.mesh[DP]
 
-    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+    def fsdp_mesh(self) -> DeviceMesh:
         """The sub-mesh FSDP shards (1-D) or hybrid-shards (2-D: Replicate, Shard) over."""
         names = self.fsdp_dim_names
-        return mesh[names[0]] if len(names) == 1 else mesh[names]
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
 
-    def sampler_kwargs(self, mesh: DeviceMesh) -> dict[str, Any]:
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D tensor-parallel sub-mesh."""
+        return self.mesh[TP]
+
+    def sampler_kwargs(self) -> dict[str, Any]:
         """``DistributedSampler`` arguments: every data-parallel rank reads different samples."""
-        return {"num_replicas": self.data_parallel, "rank": self.data_parallel_mesh(mesh).get_local_rank()}
+        return {"num_replicas": self.data_parallel, "rank": self.data_parallel_mesh().get_local_rank()}
 
     def describe(self) -> str:
         return (

@@ -1,9 +1,25 @@
 """Reliability shared by every lit_parallel strategy: fail fast and loudly, never lose state, never silently
 change the training.
 
-:class:`ReliabilityMixin` sits in front of Lightning's strategy class in each strategy's bases
-(``TunedDDPStrategy(ReliabilityMixin, DDPStrategy)``, ``TransformerFSDPStrategy(ReliabilityMixin,
-ModelParallelStrategy)``; ``hsdp`` and ``tp_dp`` inherit it) and adds:
+Each strategy holds one :class:`Reliability` object (``strategy.reliability``), built in its ``__init__``
+from the reliability arguments (``Reliability.from_arguments(debug_level=..., watchdog=...,
+preemption_signal=..., timeout=...)``). The features are composed from Lightning's public extension points,
+each in one place:
+
+- the strategy's own hooks call the object, one line each: ``_configure_launcher`` (the watched launcher,
+  :mod:`~lit_parallel.reliability.launcher`), the process-group set-up (``setup_distributed``, or
+  ``_setup_distributed`` for ``ModelParallelStrategy``-based strategies), ``on_exception`` (the failure
+  report), ``barrier`` (RNG states at the end of a restore), ``process_dataloader`` (mid-epoch resume) and
+  ``teardown``;
+- a ``CheckpointIO`` wrapping the strategy's (:class:`~lit_parallel.reliability.checkpoints.ReliableCheckpointIO`)
+  writes single files safely and verifies them before a ``weights_only`` load; sharded (DCP) checkpoints
+  are saved and loaded by functions of :mod:`~lit_parallel.reliability.checkpoints` that the sharded
+  strategies' ``save_checkpoint`` / ``load_checkpoint`` call;
+- a callback the strategy adds to its Trainer (:class:`~lit_parallel.reliability.callback.ReliabilityCallback`)
+  marks progress, checks that each loss reaches the model, checks for preemption at optimizer-step
+  boundaries, and stores and takes over every rank's RNG states.
+
+The features:
 
 - **Failure reports.** When a rank fails, it publishes what it was doing through the process group's
   key-value store; every live rank's watchdog thread answers with its own progress and where its main
@@ -34,7 +50,8 @@ ModelParallelStrategy)``; ``hsdp`` and ``tp_dp`` inherit it) and adds:
   (torchrun's, a test harness's, the user's) is left to its creator.
 """
 
-from lit_parallel.reliability.mixin import ReliabilityMixin, _reaches_a_parameter
+from lit_parallel.reliability.callback import ReliabilityCallback, _reaches_a_parameter
+from lit_parallel.reliability.core import Reliability
 from lit_parallel.reliability.options import (
     DEBUG_LEVELS,
     LAUNCHER_PID_ENV,
@@ -50,7 +67,8 @@ __all__ = [
     "RNG_KEY",
     "DebugLevel",
     "PreemptionSignal",
-    "ReliabilityMixin",
+    "Reliability",
+    "ReliabilityCallback",
     "ReliabilityOptions",
     "_reaches_a_parameter",
 ]

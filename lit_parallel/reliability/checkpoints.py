@@ -1,15 +1,26 @@
-"""Checkpoints with every rank's RNG states, written under a temporary name and committed when complete."""
+"""Checkpoints with every rank's RNG states, written under a temporary name and committed when complete,
+verified before loading and loaded without unpickling code.
+
+Single-file checkpoints go through :class:`ReliableCheckpointIO`, which wraps the strategy's
+``CheckpointIO``. The sharded (``torch.distributed.checkpoint``) save and load of strategies built on
+Lightning's ``ModelParallelStrategy`` do not go through a ``CheckpointIO``: their ``save_checkpoint`` and
+``load_checkpoint`` call :func:`save_sharded_checkpoint` and :func:`load_sharded_checkpoint`.
+"""
 
 from __future__ import annotations
 
+import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
+from lit_parallel import _compat, _logging
 from lit_parallel.checkpoint import (
     LIGHTNING_META,
     atomic_save,
@@ -19,147 +30,177 @@ from lit_parallel.checkpoint import (
     new_partial_path,
     verify_checkpoint,
 )
-from lit_parallel.reliability.options import RNG_KEY, _info
+from lit_parallel.reliability.options import RNG_KEY
 from lit_parallel.rng import capture_rng_state
 
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
-class _CheckpointReliability:
-    """The checkpoint half of :class:`~lit_parallel.reliability.ReliabilityMixin`."""
-
-    def _gather_rng_states(self) -> list[dict] | None:
-        state = capture_rng_state()
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return [state]
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(state, gathered, dst=0)
-        return gathered
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        self._progress.at(f"saving the checkpoint {str(filepath)!r} ({self._progress.describe()})")
-        states = self._gather_rng_states()
-        if states is not None:
-            checkpoint[RNG_KEY] = {"world_size": len(states), "ranks": states}
-        if _is_remote(filepath):
-            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        if isinstance(self, ModelParallelStrategy):
-            return self._save_model_parallel_checkpoint(checkpoint, filepath, storage_options)
-        if self.is_global_zero:
-            check_replaceable(filepath)
-            atomic_save(
-                lambda tmp: self.checkpoint_io.save_checkpoint(
-                    checkpoint, tmp, storage_options=storage_options
-                ),
-                filepath,
-            )
-        return None
-
-    def _save_model_parallel_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
-    ) -> None:
-        """``ModelParallelStrategy.save_checkpoint`` written under a temporary name: Lightning's ``meta.pt``
-        first, then the shards, then DCP's ``.metadata`` (last, by DCP), then the rename into place."""
-        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
-
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
-                f" `{type(self).__name__}` does not use the `CheckpointIO`."
-            )
-        path = Path(self.broadcast(str(filepath)))
-        check_replaceable(path)
-        if not self._save_distributed_checkpoint:
-            if self.is_global_zero:
-                atomic_save(lambda tmp: self.checkpoint_io.save_checkpoint(checkpoint, tmp), path)
-            return
-        token = self.broadcast(uuid.uuid4().hex[:12] if self.is_global_zero else None)
-        partial = new_partial_path(path, token)
-        if self.is_global_zero:
-            partial.mkdir(parents=True)
-        self.barrier()
-        converted = {"state_dict": checkpoint.pop("state_dict")}
-        converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        try:
-            if self.is_global_zero:
-                torch.save(checkpoint, partial / LIGHTNING_META)
-            _distributed_checkpoint_save(converted, partial)
-            self.barrier()
-        except BaseException:
-            if self.is_global_zero:
-                import shutil
-
-                shutil.rmtree(partial, ignore_errors=True)
-            raise
-        if self.is_global_zero:
-            commit(partial, path)
-        self.barrier()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        self._progress.at(f"restoring the checkpoint {str(checkpoint_path)!r}")
-        path = checkpoint_path
-        if not _is_remote(path):
-            path = Path(self.broadcast(str(path)))
-            kind = verify_checkpoint(path)
-        else:
-            kind = "remote"
-        if weights_only is None:
-            weights_only = True  # never unpickle code from a checkpoint unless asked to
-        if isinstance(self, ModelParallelStrategy) and kind == "sharded":
-            checkpoint = self._load_sharded_checkpoint(Path(path))
-        else:
-            checkpoint = super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
-        self._take_rng_states(checkpoint)
-        return checkpoint
-
-    def _load_sharded_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Lightning's sharded load, with DCP's index and non-tensor entries read without unpickling code."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        module = self.model
-        assert module is not None and self.lightning_module is not None
-        module_state = {"state_dict": get_model_state_dict(module)}
-        dcp_load(module_state, path)
-        module.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
-        for i, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{i}"
-            optim_state = {key: get_optimizer_state_dict(module, optimizer)}
-            dcp_load(optim_state, path)
-            set_optimizer_state_dict(
-                module,
-                optimizer,
-                optim_state_dict=optim_state[key],
-                options=StateDictOptions(cpu_offload=True),
-            )
-        return torch.load(path / LIGHTNING_META, weights_only=True)
-
-    def _take_rng_states(self, checkpoint: dict[str, Any]) -> None:
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        entry = checkpoint.get(RNG_KEY)
-        trainer = self._trainer_or_none()
-        if entry is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return  # evaluation keeps the RNG the user seeded
-        if entry["world_size"] != self.world_size:
-            _info(
-                f"the checkpoint holds the RNG states of {entry['world_size']} ranks and this run has"
-                f" {self.world_size}: RNG states are not restored, so dropout masks and random augmentations"
-                " differ from an uninterrupted run"
-            )
-            return
-        self._rng_at_resume = entry["ranks"][self.global_rank]
+    from lit_parallel.reliability.core import Reliability
 
 
 def _is_remote(path: Any) -> bool:
     return "://" in str(path)
+
+
+class ReliableCheckpointIO(CheckpointIO):
+    """Wraps a ``CheckpointIO``: local saves are written under a temporary name and renamed into place
+    (never over a folder that is not a checkpoint); loads are verified first and use ``weights_only=True``
+    unless asked otherwise. Loading runs on every rank: the path is rank 0's."""
+
+    def __init__(
+        self, inner: CheckpointIO, reliability: Reliability, broadcast: Callable[[Any], Any]
+    ) -> None:
+        self.inner = inner
+        self._reliability = reliability
+        self._broadcast = broadcast
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if _is_remote(path):
+            return self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        self._reliability.progress.saving(path)
+        check_replaceable(path)
+        atomic_save(
+            lambda tmp: self.inner.save_checkpoint(checkpoint, tmp, storage_options=storage_options), path
+        )
+        return None
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict:
+        self._reliability.progress.at(f"restoring the checkpoint {str(path)!r}")
+        if not _is_remote(path):
+            path = Path(self._broadcast(str(path)))
+            verify_checkpoint(path)
+        kwargs: dict[str, Any] = {} if map_location is None else {"map_location": map_location}
+        # never unpickle code from a checkpoint unless asked to
+        return self.inner.load_checkpoint(path, weights_only=weights_only is not False, **kwargs)
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    @override
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def gather_rng_states() -> list[dict] | None:
+    """Every rank's RNG states, on rank 0 (``None`` elsewhere). A collective: call it on every rank."""
+    state = capture_rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def rng_states_to_restore(checkpoint: dict[str, Any], world_size: int, rank: int) -> dict | None:
+    """This rank's RNG states from a checkpoint saved on as many ranks, else ``None`` (and why, on rank 0)."""
+    entry = checkpoint.get(RNG_KEY)
+    if entry is None:
+        return None
+    if entry["world_size"] != world_size:
+        _logging.info(
+            f"the checkpoint holds the RNG states of {entry['world_size']} ranks and this run has"
+            f" {world_size}: RNG states are not restored, so dropout masks and random augmentations"
+            " differ from an uninterrupted run"
+        )
+        return None
+    return entry["ranks"][rank]
+
+
+def save_sharded_checkpoint(
+    strategy: ModelParallelStrategy,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any | None,
+    lightning_save: Callable[..., None],
+) -> None:
+    """``ModelParallelStrategy.save_checkpoint`` written under a temporary name: Lightning's ``meta.pt``
+    first, then the shards, then DCP's ``.metadata`` (last, by DCP), then the rename into place.
+    ``lightning_save`` (Lightning's own) writes remote paths."""
+    if _is_remote(filepath):
+        return lightning_save(checkpoint, filepath, storage_options)
+    if storage_options is not None:
+        raise TypeError(
+            f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
+            f" `{type(strategy).__name__}` does not use the `CheckpointIO`."
+        )
+    path = Path(strategy.broadcast(str(filepath)))
+    strategy.reliability.progress.saving(path)
+    check_replaceable(path)
+    if not _compat.saves_distributed_checkpoint(strategy):
+        if strategy.is_global_zero:
+            strategy.checkpoint_io.save_checkpoint(checkpoint, path)
+        return None
+    token = strategy.broadcast(uuid.uuid4().hex[:12] if strategy.is_global_zero else None)
+    partial = new_partial_path(path, token)
+    if strategy.is_global_zero:
+        partial.mkdir(parents=True)
+    strategy.barrier()
+    converted = {"state_dict": checkpoint.pop("state_dict")}
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    try:
+        if strategy.is_global_zero:
+            torch.save(checkpoint, partial / LIGHTNING_META)
+        _compat.distributed_checkpoint_save(converted, partial)
+        strategy.barrier()
+    except BaseException:
+        if strategy.is_global_zero:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if strategy.is_global_zero:
+        commit(partial, path)
+    strategy.barrier()
+    return None
+
+
+def load_sharded_checkpoint(
+    strategy: ModelParallelStrategy,
+    checkpoint_path: Any,
+    weights_only: bool | None,
+    lightning_load: Callable[..., dict[str, Any]],
+) -> dict[str, Any]:
+    """Verify, then load: a sharded checkpoint with DCP's index and non-tensor entries read without
+    unpickling code; anything else through ``lightning_load`` (Lightning's own) with ``weights_only=True``
+    unless asked otherwise."""
+    strategy.reliability.progress.at(f"restoring the checkpoint {str(checkpoint_path)!r}")
+    path = checkpoint_path
+    kind = "remote"
+    if not _is_remote(path):
+        path = Path(strategy.broadcast(str(path)))
+        kind = verify_checkpoint(path)
+    if kind == "sharded":
+        return _load_sharded(strategy, Path(path))
+    return lightning_load(path, weights_only=weights_only is not False)
+
+
+def _load_sharded(strategy: ModelParallelStrategy, path: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    module = strategy.model
+    assert module is not None and strategy.lightning_module is not None
+    module_state = {"state_dict": get_model_state_dict(module)}
+    dcp_load(module_state, path)
+    module.load_state_dict(module_state["state_dict"], strict=strategy.lightning_module.strict_loading)
+    for i, optimizer in enumerate(strategy.optimizers):
+        key = f"optimizer_{i}"
+        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp_load(optim_state, path)
+        set_optimizer_state_dict(
+            module,
+            optimizer,
+            optim_state_dict=optim_state[key],
+            options=StateDictOptions(cpu_offload=True),
+        )
+    return torch.load(path / LIGHTNING_META, weights_only=True)

@@ -1,4 +1,5 @@
-"""Process groups: the strategy's timeout on every group, and destroying the groups the strategy created."""
+"""Process groups: created with a long rendezvous, the strategy's timeout on every group, and destroying the
+groups the strategy created."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lit_parallel import _compat
 
 _OWNED_GROUPS: list[Any] = []
 _RUNS = itertools.count()
@@ -25,7 +29,7 @@ def _destroy_owned_group_at_exit() -> None:
     # that succeeded sometimes aborts ("terminate called without an active exception"). Collect the dead
     # DDP/FSDP objects first, then destroy the group while Python is still fully alive.
     if _OWNED_GROUPS and dist.is_initialized():
-        if dist.distributed_c10d._get_default_group() is _OWNED_GROUPS[-1]:
+        if dist.group.WORLD is _OWNED_GROUPS[-1]:
             gc.collect()
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -35,12 +39,58 @@ def _destroy_owned_group_at_exit() -> None:
 atexit.register(_destroy_owned_group_at_exit)
 
 
-def _set_timeout_on_all_groups(timeout: timedelta) -> None:
-    """The strategy's timeout on every process group of this rank (torch gives sub-groups its default)."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+def init_process_group(strategy: Any, timeout: timedelta | None) -> None:
+    """Create the process group before Lightning would (it then finds it), with two differences: the
+    rendezvous may take as long as torch's default allows (ranks start at different times; the strategy's
+    ``timeout`` is for collectives and is set on every group afterwards), and after a failed run in this
+    process it rendezvouses under fresh keys (see ``_RETRY``)."""
+    strategy.set_world_ranks()
+    backend = _compat.process_group_backend(strategy)
+    rendezvous = max(timeout or default_pg_timeout, default_pg_timeout)
+    if _RETRY["store"] is not None:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"lit_parallel_retry_{_RETRY['count']}/", _RETRY["store"]),
+            rank=strategy.global_rank,
+            world_size=strategy.world_size,
+            timeout=rendezvous,
+        )
+        return
+    kwargs: dict[str, Any] = {"timeout": rendezvous}
+    if strategy.root_device.type != "cpu":
+        kwargs["device_id"] = strategy.root_device
+    _compat.init_dist_connection(strategy.cluster_environment, backend, **kwargs)
 
-    for group in list(_world.pg_map):
+
+def own_default_group() -> None:
+    """Record the default group as created by a strategy (destroyed at exit, or after a failed run)."""
+    group = dist.group.WORLD
+    if group is not None and group not in _OWNED_GROUPS:
+        _OWNED_GROUPS.append(group)
+
+
+def destroy_after_failure() -> None:
+    """A failed run leaves its process group unusable (a timed-out collective poisons it): destroy it so
+    that a retry in this process creates a fresh one."""
+    with contextlib.suppress(Exception):
+        _RETRY["store"] = _compat.get_default_store()
+        _RETRY["count"] += 1
+        dist.destroy_process_group()
+    _OWNED_GROUPS.clear()
+
+
+def default_store() -> Any | None:
+    """The default process group's key-value store (it outlives a broken group), or ``None``."""
+    try:
+        return _compat.get_default_store()
+    except Exception:
+        return None
+
+
+def set_timeout_on_all_groups(timeout: timedelta) -> None:
+    """The strategy's timeout on every process group of this rank (torch gives sub-groups its default)."""
+    for group in _compat.all_process_groups():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a group wrapped for debug_level='detail' cannot take it
             with contextlib.suppress(Exception):
-                _set_pg_timeout(timeout, group)
+                _compat.set_pg_timeout(timeout, group)

@@ -12,9 +12,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lit_parallel._compat import (
+    SubprocessScriptLauncher,
+    launch_process_observer,
+    set_launcher,
+    set_num_threads_if_needed,
+)
 from lit_parallel.reliability.options import LAUNCHER_PID_ENV, POLL_S, _stderr
 from lit_parallel.reliability.reports import _ranks
 
@@ -128,7 +133,7 @@ def _watch_launching_process() -> None:
     threading.Thread(target=watch, name="lit_parallel-parent-watchdog", daemon=True).start()
 
 
-class _WatchedSubprocessScriptLauncher(_SubprocessScriptLauncher):
+class _WatchedSubprocessScriptLauncher(SubprocessScriptLauncher):
     """Lightning's ``python train.py`` launcher plus :class:`_LauncherWatchdog`, and configuration checks
     that run before any rank is started."""
 
@@ -139,18 +144,29 @@ class _WatchedSubprocessScriptLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         import lightning.pytorch as pl
-        from lightning.fabric.strategies.launchers.subprocess_script import _launch_process_observer
-        from lightning.pytorch.strategies.launchers.subprocess_script import _set_num_threads_if_needed
 
         model = next((a for a in args if isinstance(a, pl.LightningModule)), None)
+        # the strategy's configuration checks that need the Trainer or the model, before any rank starts
         self._strategy._validate_before_launch(trainer, model)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
             self._call_children_scripts()
-            _launch_process_observer(self.procs)
+            launch_process_observer(self.procs)
             first = self.cluster_environment.node_rank() * self.num_processes + 1
-            timeout = self._strategy._timeout or default_pg_timeout
+            timeout = self._strategy.reliability.timeout or default_pg_timeout
             _LauncherWatchdog(self.procs, first, wait_s=timeout.total_seconds()).start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+
+def watch_launcher(strategy: Any) -> None:
+    """Replace Lightning's ``python train.py`` launcher by the watched one (in the launching process), and in
+    a rank it started, exit when the launching process is gone."""
+    launcher = strategy.launcher
+    if type(launcher) is SubprocessScriptLauncher:
+        watched = _WatchedSubprocessScriptLauncher(
+            strategy, launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
+        )
+        set_launcher(strategy, watched)
+    _watch_launching_process()

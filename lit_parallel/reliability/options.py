@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-log = logging.getLogger("lit_parallel")
 
 DEBUG_LEVELS = ("off", "info", "detail")
 RNG_KEY = "lit_parallel_rng_states"
@@ -21,11 +16,6 @@ POLL_S = 0.2
 
 DebugLevel = Literal["off", "info", "detail"]
 PreemptionSignal = Literal["auto"] | int | signal.Signals | str | None
-
-
-def _info(msg: str) -> None:
-    if rank_zero_only.rank == 0:
-        log.info(msg)
 
 
 def _stderr(msg: str) -> None:

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from lit_parallel.reliability.options import POLL_S, REPORT_WAIT_S
 
+_SAVING = "saving the checkpoint"
+
 
 class _Progress:
     """Where this rank is in the run; read by failure reports (cheap: a few attribute writes per step)."""
@@ -28,9 +30,17 @@ class _Progress:
         self.batch = -1
         self.backward_calls = 0
         self.optimizer_steps = 0
+        self._before_saving = ""
 
     def at(self, stage: str) -> None:
         self.stage = stage
+
+    def saving(self, path: Any = None) -> None:
+        """A checkpoint save begins (every rank) or writes to ``path`` (the ranks that write)."""
+        if not self.stage.startswith(_SAVING):
+            self._before_saving = self.describe()
+        where = f" {str(path)!r}" if path is not None else ""
+        self.stage = f"{_SAVING}{where} ({self._before_saving})"
 
     def describe(self) -> str:
         if self.batch < 0 or "batch" in self.stage or "epoch" in self.stage:

@@ -8,12 +8,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset, Sampler, SequentialSampler
-from typing_extensions import override
 
-from lit_parallel.reliability.options import _info
+from lit_parallel import _logging
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lit_parallel.reliability.core import Reliability
 
 
 class _SkipFirst(Sampler):
@@ -53,81 +54,62 @@ _MID_EPOCH_FIX = (
 )
 
 
-class _MidEpochResume:
-    """The mid-epoch-resume half of :class:`~lit_parallel.reliability.ReliabilityMixin`: the first
-    training dataloader after a mid-epoch checkpoint skips what the epoch already used."""
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
-        trainer = self._trainer_or_none()
-        from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-
-        if (
-            trainer is None
-            or trainer.state.fn != TrainerFn.FITTING
-            or trainer.state.stage != RunningStage.TRAINING
-        ):
-            return dataloader
-        self._resume_mid_epoch(trainer, dataloader)
-        return dataloader
-
-    def _resume_mid_epoch(self, trainer: pl.Trainer, loader: Any) -> None:
-        """Continue a mid-epoch checkpoint with the first batch the epoch has not used, or refuse."""
-        fit_loop = trainer.fit_loop
-        progress = fit_loop.epoch_loop.batch_progress.current
-        done = progress.ready
-        try:
-            n = len(loader)
-        except TypeError:
-            n = None
-        if not fit_loop.restarting or done == 0 or (n is not None and done >= n):
-            return
-        epoch = fit_loop.epoch_progress.current.processed
-        where = f"epoch {epoch} after {done} of {n if n is not None else '?'} batches"
-        rng, self._rng_restored = self._rng_restored, None
-        if progress.processed != progress.ready:
-            raise RuntimeError(
-                f"cannot resume exactly from this checkpoint: it was saved in the middle of a training batch"
-                f" ({where}). Save checkpoints from on_train_batch_end or at epoch ends."
-            )
-        accumulate = trainer.accumulate_grad_batches
-        if done % accumulate:
-            raise RuntimeError(
-                f"cannot resume exactly from this checkpoint: it was saved in {where}, in the middle of a"
-                f" gradient accumulation window of {accumulate} batches, and accumulated gradients are not"
-                " part of a checkpoint. Save at optimizer steps (ModelCheckpoint(every_n_train_steps=...)) or at"
-                " epoch ends."
-            )
-        if _is_stateful(loader):
-            # Lightning restored the loader's own position
-            self._rng_at_first_batch = rng
-            return
-        dataset = getattr(loader, "dataset", None)
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        sampler = getattr(batch_sampler, "sampler", None)
-        supported = (
-            not isinstance(dataset, IterableDataset)
-            and type(batch_sampler) is BatchSampler
-            and isinstance(sampler, (DistributedSampler, SequentialSampler))
+def resume_mid_epoch(reliability: Reliability, trainer: pl.Trainer, loader: Any) -> None:
+    """Continue a mid-epoch checkpoint with the first batch the epoch has not used, or refuse."""
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_loop.batch_progress.current
+    done = progress.ready
+    try:
+        n = len(loader)
+    except TypeError:
+        n = None
+    if not fit_loop.restarting or done == 0 or (n is not None and done >= n):
+        return
+    epoch = fit_loop.epoch_progress.current.processed
+    where = f"epoch {epoch} after {done} of {n if n is not None else '?'} batches"
+    rng, reliability.rng_restored = reliability.rng_restored, None
+    if progress.processed != progress.ready:
+        raise RuntimeError(
+            f"cannot resume exactly from this checkpoint: it was saved in the middle of a training batch"
+            f" ({where}). Save checkpoints from on_train_batch_end or at epoch ends."
         )
-        if not supported:
-            what = (
-                "an IterableDataset"
-                if isinstance(dataset, IterableDataset)
-                else f"sampler {type(sampler).__name__ if sampler is not None else type(batch_sampler).__name__}"
-            )
-            raise RuntimeError(
-                f"cannot resume exactly from this mid-epoch checkpoint ({where}): the train dataloader uses"
-                f" {what}, whose position in the epoch cannot be restored, so resuming would repeat or skip"
-                f" batches. {_MID_EPOCH_FIX}"
-            )
-        batch_sampler.sampler = _SkipFirst(sampler, done * batch_sampler.batch_size)
-        self._rng_at_first_batch = rng
-        warnings.filterwarnings(
-            "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+    accumulate = trainer.accumulate_grad_batches
+    if done % accumulate:
+        raise RuntimeError(
+            f"cannot resume exactly from this checkpoint: it was saved in {where}, in the middle of a"
+            f" gradient accumulation window of {accumulate} batches, and accumulated gradients are not"
+            " part of a checkpoint. Save at optimizer steps (ModelCheckpoint(every_n_train_steps=...)) or at"
+            " epoch ends."
         )
-        _info(
-            f"resuming mid-epoch: {where}; the sampler skips the {done * batch_sampler.batch_size} samples"
-            " per rank that epoch already used"
+    if _is_stateful(loader):
+        # Lightning restored the loader's own position
+        reliability.rng_at_first_batch = rng
+        return
+    dataset = getattr(loader, "dataset", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    supported = (
+        not isinstance(dataset, IterableDataset)
+        and type(batch_sampler) is BatchSampler
+        and isinstance(sampler, (DistributedSampler, SequentialSampler))
+    )
+    if not supported:
+        what = (
+            "an IterableDataset"
+            if isinstance(dataset, IterableDataset)
+            else f"sampler {type(sampler).__name__ if sampler is not None else type(batch_sampler).__name__}"
         )
+        raise RuntimeError(
+            f"cannot resume exactly from this mid-epoch checkpoint ({where}): the train dataloader uses"
+            f" {what}, whose position in the epoch cannot be restored, so resuming would repeat or skip"
+            f" batches. {_MID_EPOCH_FIX}"
+        )
+    batch_sampler.sampler = _SkipFirst(sampler, done * batch_sampler.batch_size)
+    reliability.rng_at_first_batch = rng
+    warnings.filterwarnings(
+        "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+    )
+    _logging.info(
+        f"resuming mid-epoch: {where}; the sampler skips the {done * batch_sampler.batch_size} samples"
+        " per rank that epoch already used"
+    )

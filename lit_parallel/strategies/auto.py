@@ -1,41 +1,48 @@
-"""AutoStrategy ("auto_parallel"): measure the model and the devices, then become the strategy that fits.
+"""AutoStrategy ("auto_parallel"): measure the model and the devices, then hand over to the strategy that fits.
 
 The choice is made by the advisor's ordered rules (:data:`lit_parallel.parallel.advisor.RULES`, the same
 table ``lit-parallel advise`` prints and the documentation shows) as soon as the model is known: under
 Lightning's launcher before it starts the other ranks, otherwise when the Trainer attaches the model
 (``connect``). That is before any process group exists, on every rank, from numbers every rank computes
-alike (parameter counts, world size, device memory). From then on the object *is* the chosen strategy
-(its class is replaced, and its state is that of a freshly built one plus what Lightning configured), so
-it behaves exactly as the chosen one: ``isinstance(trainer.strategy, TransformerFSDPStrategy)`` holds
-once ``fit`` has started.
+alike (parameter counts, world size, device memory).
+
+How the hand-over works, and why this way: Lightning fixes the Trainer's strategy when the Trainer is
+built, before the model is known, and offers no public way to replace it later. A proxy delegating every
+call to the chosen strategy would not pass for it: Lightning's callbacks and users' code check the
+strategy's class (``isinstance(trainer.strategy, ...)``). So, once the model is known, this
+strategy builds the chosen one, gives it what Lightning configured here (accelerator, precision,
+checkpoint IO, devices, cluster environment, number of nodes through their public setters; the launcher,
+which in the launching process holds the other ranks, and the layer sync and model, which have none),
+points the Trainer at it (``trainer.strategy`` reads the accelerator connector's strategy on every access:
+the one private Lightning attribute this needs) and continues with the chosen strategy's own step. From
+then on ``trainer.strategy`` *is* the chosen strategy (``isinstance(trainer.strategy,
+TransformerFSDPStrategy)`` holds once ``fit`` has started); this object stays a ``DDPStrategy`` that keeps
+``advice`` and ``chosen`` for whoever holds a reference to it.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import logging
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
+from lit_parallel._logging import info
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
-from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityMixin
+from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
 from lit_parallel.strategies.tensor_parallel import TensorParallelStrategy
 
-log = logging.getLogger(__name__)
-
-CANDIDATES: dict[str, type[Strategy]] = {
+CANDIDATES: dict[str, type[ParallelStrategy]] = {
     "ddp_tuned": TunedDDPStrategy,
     "tp_dp": TensorParallelStrategy,
     "hsdp": HybridShardStrategy,
@@ -46,23 +53,8 @@ assert set(CANDIDATES) == {rule.strategy for rule in RULES}
 # Arguments every candidate takes; AutoStrategy passes its own to the chosen one.
 _COMMON = ("process_group_backend", "timeout", "debug_level", "watchdog", "preemption_signal")
 
-# What Lightning's accelerator connector sets on the strategy before the model is known; the chosen
-# strategy takes these over. The launcher object is kept: in the launching process it holds the child
-# processes, which Lightning kills through it when training fails (and it refers to this very object,
-# which becomes the chosen strategy).
-_INHERITED = (
-    "_accelerator",
-    "_checkpoint_io",
-    "_precision_plugin",
-    "_launcher",
-    "_lightning_module",
-    "cluster_environment",
-    "_parallel_devices",
-    "_layer_sync",
-)
 
-
-class AutoStrategy(ReliabilityMixin, DDPStrategy):
+class AutoStrategy(DDPStrategy):
     """Chooses ``ddp_tuned``, ``tp_dp``, ``hsdp`` or ``fsdp_blocks`` for the model and devices at hand.
 
     As soon as the model is known, the strategy counts its parameters, finds its transformer blocks,
@@ -77,9 +69,9 @@ class AutoStrategy(ReliabilityMixin, DDPStrategy):
 
     The decision, the evidence for each rule and the per-rank memory table of every strategy are logged
     on rank 0 (logger ``lit_parallel``) and kept as ``trainer.strategy.advice``
-    (:class:`~lit_parallel.parallel.advisor.Advice`). From then on the strategy object is the chosen one.
-    Until the model is known it is a ``DDPStrategy`` (every candidate uses the same launcher). Its bases
-    mirror the candidates' (``ReliabilityMixin`` first), which lets the object change class.
+    (:class:`~lit_parallel.parallel.advisor.Advice`). From then on ``trainer.strategy`` is the chosen
+    strategy; this object, a ``DDPStrategy`` until then (every candidate uses the same launcher), keeps
+    ``advice`` and ``chosen``.
 
     Args:
         memory_gb: memory of one device in GB (1e9 bytes). Default: the CUDA device's total memory; on CPU
@@ -135,7 +127,7 @@ class AutoStrategy(ReliabilityMixin, DDPStrategy):
                     f" its arguments are {', '.join(params)}"
                 ) from None
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self._init_reliability(
+        self.reliability = Reliability.from_arguments(
             debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
         )
         self._memory_gb = memory_gb
@@ -148,35 +140,47 @@ class AutoStrategy(ReliabilityMixin, DDPStrategy):
             "preemption_signal": preemption_signal,
         }
         self.advice: Advice | None = None
+        self.chosen: ParallelStrategy | None = None
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self.reliability.configure_launcher(self)  # the watched launcher calls _validate_before_launch
+
     def _validate_before_launch(self, trainer: Any, model: Any) -> None:
         # Under Lightning's launcher the model is known before the other ranks start: decide now, and let
         # the chosen strategy check its configuration before any rank is started.
         if model is not None:
-            self._become_chosen(model)
-            self._validate_before_launch(trainer, model)
+            self._chosen_for(trainer, model)._validate_before_launch(trainer, model)
 
     @override
     def connect(self, model: Any) -> None:
-        self._become_chosen(model)
-        self.connect(model)
+        # Without Lightning's launcher (torchrun, SLURM) the model is first known here; the Trainer has
+        # attached it (``fit`` does before connecting).
+        self._chosen_for(model.trainer, model).connect(model)
 
-    def _become_chosen(self, model: Any) -> None:
-        advice = self.decide(model)
-        chosen_cls = CANDIDATES[advice.recommendation]
-        chosen = chosen_cls(**self._kwargs_for(advice.recommendation))
-        inherited = {name: self.__dict__[name] for name in _INHERITED if name in self.__dict__}
-        num_nodes = self.num_nodes
-        # Become the chosen strategy: its class and a freshly built one's state, plus what Lightning
-        # configured on this object (accelerator, precision, devices, cluster environment, launcher).
-        self.__dict__.clear()
-        self.__dict__.update(chosen.__dict__)
-        self.__dict__.update(inherited)
-        self.__class__ = chosen_cls
-        self.num_nodes = num_nodes
-        self.set_world_ranks()
-        self.advice = advice
+    def _chosen_for(self, trainer: Any, model: Any) -> ParallelStrategy:
+        """The chosen strategy, built and made ``trainer.strategy`` the first time ``trainer`` asks."""
+        # The launcher keeps calling this object (e.g. a second ``fit``): the Trainer already has the
+        # chosen strategy then, which holds the model trained so far. A new Trainer decides afresh.
+        if self.chosen is None or trainer.strategy is self:
+            advice = self.decide(model)
+            chosen = CANDIDATES[advice.recommendation](**self._kwargs_for(advice.recommendation))
+            self._hand_over(chosen)
+            chosen.advice = advice  # type: ignore[attr-defined]
+            self.advice, self.chosen = advice, chosen
+            set_trainer_strategy(trainer, chosen)
+        return self.chosen
+
+    def _hand_over(self, chosen: ParallelStrategy) -> None:
+        """Give ``chosen`` what Lightning's accelerator connector configured on this strategy."""
+        chosen.accelerator = self.accelerator
+        chosen.precision_plugin = self.precision_plugin
+        chosen.cluster_environment = self.cluster_environment
+        chosen.parallel_devices = self.parallel_devices
+        chosen.num_nodes = self.num_nodes  # type: ignore[attr-defined]
+        hand_over_lightning_state(self, chosen)
+        chosen.set_world_ranks()  # type: ignore[attr-defined]
 
     def _kwargs_for(self, name: str) -> dict[str, Any]:
         cls = CANDIDATES[name]
@@ -217,10 +221,9 @@ class AutoStrategy(ReliabilityMixin, DDPStrategy):
             block_types=block_types,
         )
         advice.memory_source = source
-        if rank_zero_only.rank == 0:
-            log.info(advice.describe())
-            for note in advice.model.notes if advice.model is not None else ():
-                log.info(f"auto_parallel: {note}")
+        info(advice.describe())
+        for note in advice.model.notes if advice.model is not None else ():
+            info(f"auto_parallel: {note}")
         return advice
 
     def _block_types(self) -> Any:
@@ -232,11 +235,11 @@ class AutoStrategy(ReliabilityMixin, DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,
-            description="Measures model and devices, then becomes ddp_tuned, tp_dp, hsdp or fsdp_blocks",
+            description="Measures model and devices, then hands over to ddp_tuned, tp_dp, hsdp or fsdp_blocks",
         )
 
 
@@ -245,12 +248,12 @@ def _measurable(model: torch.nn.Module) -> torch.nn.Module:
     created on the meta device (the real model is left untouched)."""
     if any(True for _ in model.parameters()) or not is_overridden("configure_model", model):
         return model
-    trainer = model.__dict__.get("_trainer")
-    model._trainer = None  # a copy must not copy the Trainer
     try:
-        probe = copy.deepcopy(model)
-    finally:
-        model._trainer = trainer
+        trainer = model.trainer
+    except RuntimeError:  # not attached to a Trainer yet (under Lightning's launcher)
+        trainer = None
+    # The copy must not copy the Trainer: every reference to it becomes None in the copy.
+    probe = copy.deepcopy(model, {id(trainer): None}) if trainer is not None else copy.deepcopy(model)
     with torch.device("meta"):
         probe.configure_model()
     return probe

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lit_parallel import _compat
+from lit_parallel._logging import info
 from lit_parallel.parallel.buckets import (
     AllReduceMeasurement,
     BucketPlan,
@@ -25,11 +24,11 @@ from lit_parallel.parallel.buckets import (
     choose_bucket_sizes,
     gradient_bytes_in_ready_order,
     measure_allreduce,
+    needs_single_bucket,
+    single_bucket_plan,
 )
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
-from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityMixin
-
-log = logging.getLogger(__name__)
+from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 
 _UNUSED_FIX = (
     "TunedDDPStrategy's first training step (its probe) used every parameter, so DDP runs with"
@@ -39,12 +38,7 @@ _UNUSED_FIX = (
 )
 
 
-def _info(msg: str) -> None:
-    if rank_zero_only.rank == 0:
-        log.info(msg)
-
-
-class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
+class TunedDDPStrategy(DDPStrategy):
     """DDP with measured bucket sizes, probed unused-parameter detection and gradient compression.
 
     A subclass of Lightning's ``DDPStrategy``: launcher, checkpointing and precision handling are
@@ -130,36 +124,18 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
         preemption_signal: PreemptionSignal = "auto",
         **kwargs: Any,
     ) -> None:
-        _validate_bucket_cap(bucket_cap_mb)
-        if find_unused_parameters not in ("auto", True, False):
-            raise ValueError(
-                f"find_unused_parameters={find_unused_parameters!r} must be 'auto', True or False"
-            )
-        if not isinstance(static_graph, bool):
-            raise ValueError(f"static_graph={static_graph!r} must be True or False")
-        validate_comm_hook(
-            comm_hook, powersgd_rank=powersgd_rank, powersgd_warmup_steps=powersgd_warmup_steps
+        forward_sync_buffers = _check_arguments(
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            comm_hook=comm_hook,
+            powersgd_rank=powersgd_rank,
+            powersgd_warmup_steps=powersgd_warmup_steps,
+            compile=compile,
+            forward_sync_buffers=forward_sync_buffers,
+            broadcast_buffers=broadcast_buffers,
+            ddp_kwargs=kwargs,
         )
-        if comm_hook is not None and kwargs.get("ddp_comm_hook") is not None:
-            raise ValueError(
-                f"comm_hook={comm_hook!r} and ddp_comm_hook={kwargs['ddp_comm_hook']!r} were both given;"
-                " pass only one of them"
-            )
-        if not isinstance(compile, (bool, dict)):
-            raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile options")
-        if broadcast_buffers is not None:
-            if forward_sync_buffers is not None:
-                raise ValueError(
-                    "broadcast_buffers and forward_sync_buffers were both given; pass only forward_sync_buffers"
-                    " (broadcast_buffers is its deprecated name)"
-                )
-            rank_zero_deprecation(
-                "TunedDDPStrategy(broadcast_buffers=...) is deprecated (as in torch 2.13's DDP);"
-                f" use forward_sync_buffers={broadcast_buffers}"
-            )
-            forward_sync_buffers = broadcast_buffers
-        if "bucket_cap_mb_list" in kwargs:
-            raise ValueError("pass per-bucket sizes as bucket_cap_mb=[first, rest, ...] (MiB)")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -187,11 +163,10 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
         self.bucket_plan: BucketPlan | None = None
         self.unused_parameters: list[str] | None = None
         self.comm_hook_state: Any = None
-        self._init_reliability(
+        self.reliability = Reliability.from_arguments(
             debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
         )
 
-    @override
     def _validate_before_launch(self, trainer: Any, model: Any) -> None:
         # Impossible combinations are refused before any process group exists, and under Lightning's
         # launcher before the other ranks are started.
@@ -206,7 +181,7 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         lm = self.lightning_module
-        self._validate_before_launch(lm._trainer if lm is not None else None, lm)
+        self._validate_before_launch(_compat.attached_trainer(lm), lm)
         super().setup_environment()
 
     @override
@@ -219,18 +194,18 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
             # The first optimizer step is the probe: it runs without DDP, its gradients are averaged by
             # hand (as DDP would) and show which parameters training uses; DDP wraps the model after it.
             # Every rank must hold rank 0's weights before that step and before any sanity validation.
-            _sync_module_states(self.model)
+            _compat.sync_module_states(self.model)
             self._probing = True
             return
         if self._find_unused == "auto":
-            _info("ddp_tuned: manual optimization, so no probe step: find_unused_parameters=False")
+            info("ddp_tuned: manual optimization, so no probe step: find_unused_parameters=False")
         self._wrap(find_unused=bool(self._find_unused))
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not self._probing or trainer is None or trainer.fit_loop.epoch_loop._should_accumulate():
+        if not self._probing or trainer is None or _compat.should_accumulate(trainer):
             return
         self._probing = False
         lm = self.lightning_module
@@ -242,13 +217,13 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
             shown = ", ".join(self.unused_parameters[:20])
             if len(self.unused_parameters) > 20:
                 shown += f" and {len(self.unused_parameters) - 20} more"
-            _info(
+            info(
                 f"ddp_tuned: {len(self.unused_parameters)} parameters got no gradient in the first training"
                 f" step (e.g. used only in evaluation, or frozen branches): {shown};"
                 " running DDP with find_unused_parameters=True"
             )
         else:
-            _info(
+            info(
                 "ddp_tuned: the first training step used every trainable parameter: find_unused_parameters=False"
             )
 
@@ -265,6 +240,7 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
         self._probing = False
         self._wrap_next_batch = None
         super().teardown()
+        self.reliability.teardown()
 
     def _apply_compile(self, model: torch.nn.Module) -> None:
         if self._compile is False:
@@ -278,19 +254,19 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
                 child.compile(**options)
                 self._compiled_children.append(child)
                 names.append(name)
-        _info(
+        info(
             f"ddp_tuned: compiled submodules {names} with {options or 'default options'} before DDP wrapping"
         )
 
     def _undo_compile(self) -> None:
         for child in self._compiled_children:
-            child._compiled_call_impl = None
+            _compat.undo_compile(child)
         self._compiled_children = []
 
     def _choose_buckets(self, model: torch.nn.Module) -> None:
         grad_bytes = gradient_bytes_in_ready_order(model)
         total = sum(grad_bytes)
-        single_bucket = self._comm_hook == "powersgd" and self._get_process_group_backend() == "gloo"
+        single_bucket = needs_single_bucket(self._comm_hook, self._get_process_group_backend())
         if self._bucket_cap_mb != "auto":
             caps = self._bucket_cap_mb if isinstance(self._bucket_cap_mb, list) else [self._bucket_cap_mb]
             if single_bucket and total > caps[0] * MiB:
@@ -301,18 +277,14 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
                 )
             return
         if single_bucket:
-            cap = -(-(total + 1) // 4096) * 4096
-            self.bucket_plan = BucketPlan(
-                cap,
-                cap,
-                f"comm_hook='powersgd' on gloo crashes with more than one bucket: one bucket of"
-                f" {cap / MiB:.3f} MiB holds all {total / MiB:.3f} MiB of gradients (no overlap)",
+            self.bucket_plan = single_bucket_plan(
+                total, "comm_hook='powersgd' on gloo crashes with more than one bucket"
             )
         else:
             measured = measure_allreduce(self.root_device)
             self.allreduce_measurement = broadcast_measurement(measured, src=0)
             self.bucket_plan = choose_bucket_sizes(self.allreduce_measurement, grad_bytes)
-        _info(f"ddp_tuned: bucket_cap_mb_list={self.bucket_plan.cap_mb_list}: {self.bucket_plan.reason}")
+        info(f"ddp_tuned: bucket_cap_mb_list={self.bucket_plan.cap_mb_list}: {self.bucket_plan.reason}")
 
     def _ddp_bucket_kwargs(self) -> dict[str, Any]:
         if self.bucket_plan is not None:
@@ -346,7 +318,7 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
         )
         self.comm_hook_state = state
         self.model.register_comm_hook(state, hook)
-        _info(f"ddp_tuned: registered communication hook {self._comm_hook!r}")
+        info(f"ddp_tuned: registered communication hook {self._comm_hook!r}")
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -360,7 +332,28 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
                 else arg
                 for arg in exception.args
             )
-        super().on_exception(exception)  # failure report (lit_parallel.reliability)
+        # DDPStrategy.on_exception is not called: it rewrites DDP's messages with advice for DDPStrategy
+        self.reliability.on_exception(exception, self.global_rank)
+
+    # --- reliability (lit_parallel.reliability): one call each --------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self.reliability.configure_launcher(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        self.reliability.setup_process_group(self, super().setup_distributed)
+
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        super().barrier(name, *args, **kwargs)
+        self.reliability.after_barrier(name)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.reliability.process_dataloader(self, super().process_dataloader(dataloader))
 
     @property
     def find_unused_parameters(self) -> bool | None:
@@ -371,7 +364,7 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,
@@ -384,6 +377,50 @@ class TunedDDPStrategy(ReliabilityMixin, DDPStrategy):
                 description=f"ddp_tuned with find_unused_parameters={value} (no probe)",
                 find_unused_parameters=value,
             )
+
+
+def _check_arguments(
+    *,
+    bucket_cap_mb: Any,
+    find_unused_parameters: Any,
+    static_graph: Any,
+    comm_hook: str | None,
+    powersgd_rank: int,
+    powersgd_warmup_steps: int,
+    compile: Any,
+    forward_sync_buffers: bool | None,
+    broadcast_buffers: bool | None,
+    ddp_kwargs: dict[str, Any],
+) -> bool | None:
+    """TunedDDPStrategy's arguments, checked when it is built; returns ``forward_sync_buffers`` (the
+    deprecated ``broadcast_buffers`` mapped onto it)."""
+    _validate_bucket_cap(bucket_cap_mb)
+    if find_unused_parameters not in ("auto", True, False):
+        raise ValueError(f"find_unused_parameters={find_unused_parameters!r} must be 'auto', True or False")
+    if not isinstance(static_graph, bool):
+        raise ValueError(f"static_graph={static_graph!r} must be True or False")
+    validate_comm_hook(comm_hook, powersgd_rank=powersgd_rank, powersgd_warmup_steps=powersgd_warmup_steps)
+    if comm_hook is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
+        raise ValueError(
+            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_kwargs['ddp_comm_hook']!r} were both given;"
+            " pass only one of them"
+        )
+    if not isinstance(compile, (bool, dict)):
+        raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile options")
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            raise ValueError(
+                "broadcast_buffers and forward_sync_buffers were both given; pass only forward_sync_buffers"
+                " (broadcast_buffers is its deprecated name)"
+            )
+        rank_zero_deprecation(
+            "TunedDDPStrategy(broadcast_buffers=...) is deprecated (as in torch 2.13's DDP);"
+            f" use forward_sync_buffers={broadcast_buffers}"
+        )
+        forward_sync_buffers = broadcast_buffers
+    if "bucket_cap_mb_list" in ddp_kwargs:
+        raise ValueError("pass per-bucket sizes as bucket_cap_mb=[first, rest, ...] (MiB)")
+    return forward_sync_buffers
 
 
 def _validate_bucket_cap(value: Any) -> None:

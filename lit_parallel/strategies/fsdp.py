@@ -1,6 +1,6 @@
 """TransformerFSDPStrategy ("fsdp_blocks"): FSDP2 per transformer block, blocks found automatically.
 
-A thin shell over :func:`lit_parallel.parallel.apply_fsdp`. It builds on Lightning's
+A thin shell over :func:`lit_parallel.parallel.parallelize`. It builds on Lightning's
 ``ModelParallelStrategy`` (launcher, process group, distributed checkpoints) and changes what that
 strategy leaves to the user: no ``configure_model`` is required (the strategy shards the model itself),
 the mesh comes from :class:`~lit_parallel.parallel.ParallelDims`, the sampler spans every data-parallel
@@ -11,83 +11,55 @@ policy (autocast stays off, so exactly one of them casts).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lit_parallel.parallel.blocks import find_transformer_blocks
+from lit_parallel._compat import optimizers_to_device, set_device_mesh
+from lit_parallel._logging import debug, info
+from lit_parallel.parallel.blocks import BlockPlan, find_transformer_blocks
 from lit_parallel.parallel.fsdp import (
-    SUPPORTED_PRECISIONS,
     FSDPPlan,
-    apply_fsdp,
-    clip_grad_norm_,
     load_full_state_dict,
-    mixed_precision_policy,
     no_gradient_sync,
     offload_policy,
     plan_fsdp,
 )
 from lit_parallel.parallel.mesh import ParallelDims
-from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityMixin
+from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
+from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
+from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-log = logging.getLogger(__name__)
-
 # LightningModule methods that run the model: FSDP gathers the root group's parameters around them.
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-def _info(msg: str) -> None:
-    if rank_zero_only.rank == 0:
-        log.info(msg)
+def _refuse_fsdp1(model: nn.Module, strategy: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            f"{strategy} applies FSDP2 itself; the model already contains FSDP1"
+            " (FullyShardedDataParallel) wrappers. Remove them from configure_model."
+        )
 
 
-class _ShardedClipping:
-    """Gradient clipping for any mix of plain and DTensor gradients (Lightning's calls torch's, which
-    refuses the mix)."""
-
-    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
-
-    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        from torch.distributed.tensor import DTensor
-
-        for p in self.main_params(optimizer):  # type: ignore[attr-defined]
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                g.clamp_(min=-clip_val, max=clip_val)
-
-
-class _FSDPPrecision(_ShardedClipping, Precision):
-    """``32-true`` or ``bf16-mixed`` under FSDP2: no autocast (FSDP's MixedPrecisionPolicy casts)."""
-
-    def __init__(self, precision: str = "32-true") -> None:
-        self.precision = precision  # type: ignore[assignment]
-
-
-class _FSDPHalfPrecision(_ShardedClipping, HalfPrecision):
-    """``bf16-true`` / ``16-true``: parameters stored in half precision, no FSDP casting."""
-
-
-class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
+class TransformerFSDPStrategy(ModelParallelStrategy):
     """FSDP2 applied to each transformer block, then to the rest of the model; no wrap policy needed.
 
     Args:
@@ -147,7 +119,7 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
         activation_checkpointing: bool = False,
         compile: bool | Mapping[str, Any] = False,
         cpu_offload: bool = False,
-        init_from: _PATH | None = None,
+        init_from: str | Path | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -189,14 +161,14 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
         self._mp_policy: MixedPrecisionPolicy | None = None
         self._dims: ParallelDims | None = None
         self.plan: FSDPPlan | None = None
-        self._init_reliability(
+        self.reliability = Reliability.from_arguments(
             debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
         )
 
     # --- configuration, checked before any process exists -----------------------------------------------
 
     def _parallel_dims(self) -> ParallelDims:
-        return ParallelDims(world_size=self.num_nodes * self.num_processes)
+        return ParallelDims.for_fsdp(self.num_nodes * self.num_processes)
 
     def _validate(self) -> None:
         """Sizes and precision; runs in the Trainer's constructor (before launching) and again at setup."""
@@ -209,47 +181,18 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
             )
 
     def _resolve_precision(self) -> None:
-        plugin = self._precision_plugin
-        if isinstance(plugin, (_FSDPPrecision, _FSDPHalfPrecision)):
-            return
-        plugin = plugin if plugin is not None else Precision()
-        flag = str(getattr(plugin, "precision", "32-true"))
-        name = f"{type(self).__name__}"
-        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or flag not in SUPPORTED_PRECISIONS:
-            raise ValueError(
-                f"Trainer(precision={flag!r}) ({type(plugin).__name__}) is not supported by {name}; choose"
-                f" precision= one of {', '.join(SUPPORTED_PRECISIONS)} (bf16-mixed is FSDP2's mixed precision)"
-            )
-        user = self._user_mixed_precision
-        if user is not None:
-            if flag in ("bf16-true", "16-true"):
-                raise ValueError(
-                    f"conflicting precision: {name}(mixed_precision={user}) together with"
-                    f" Trainer(precision={flag!r}), which already stores the parameters in half precision, so"
-                    " both would cast. Fix: use Trainer(precision='32-true') with the policy, or drop"
-                    " mixed_precision"
-                )
-            if flag == "bf16-mixed" and user.param_dtype != torch.bfloat16:
-                raise ValueError(
-                    f"conflicting precision: Trainer(precision='bf16-mixed') asks for bf16 compute but"
-                    f" {name}(mixed_precision=...) has param_dtype={user.param_dtype}. Fix: pass"
-                    " Trainer(precision='32-true') to let the policy decide, or a policy with"
-                    " param_dtype=torch.bfloat16, or drop mixed_precision"
-                )
-            self._mp_policy = user
-        else:
-            self._mp_policy = mixed_precision_policy(flag)
-        if isinstance(plugin, HalfPrecision):
-            self._precision_plugin = _FSDPHalfPrecision(flag)  # type: ignore[arg-type]
-        else:
-            self._precision_plugin = _FSDPPrecision(flag)
+        if isinstance(self._precision_plugin, (FSDPPrecision, FSDPHalfPrecision)):
+            return  # resolved by an earlier check (the Trainer's constructor)
+        self._precision_plugin, self._mp_policy = fsdp_precision(
+            self._precision_plugin, self._user_mixed_precision, type(self).__name__
+        )
 
     @override
     def _configure_launcher(self) -> None:
         self._validate()
         super()._configure_launcher()
+        self.reliability.configure_launcher(self)
 
-    @override
     def _validate_before_launch(self, trainer: pl.Trainer | None, model: pl.LightningModule | None) -> None:
         # Under Lightning's launcher: before the other ranks are started. connect() runs the model checks
         # (block discovery here; the tensor-parallel plan in tp_dp); Lightning connects again after launching.
@@ -283,29 +226,24 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
         self._validate()
         self._setup_distributed()
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
-        self._apply_timeout()  # the mesh's sub-groups get torch's 30-minute default otherwise
+        self.reliability.apply_timeout()  # the mesh's sub-groups get torch's 30-minute default otherwise
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self.lightning_module, self._device_mesh)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.parallel_dims.sampler_kwargs(self.device_mesh)
+        return self.parallel_dims.sampler_kwargs()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-        assert self.model is not None
-        assert self.accelerator is not None
+        # ModelParallelStrategy.setup expects configure_model to have parallelized the model, and
+        # Strategy.setup would move CPU-offloaded shards to the device: the order is written out here.
+        assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError(
-                f"{type(self).__name__} applies FSDP2 itself; the model already contains FSDP1"
-                " (FullyShardedDataParallel) wrappers. Remove them from configure_model."
-            )
+        _refuse_fsdp1(self.model, type(self).__name__)
         if not isinstance(self.model, FSDPModule):
-            self._parallelize(trainer)
+            self._parallelize()
         # fully_shard already placed every shard; with CPU offload they must stay in CPU memory
         offloaded = offload_policy(self._cpu_offload, self.root_device, warn=False) is not None
         if not offloaded:
@@ -319,9 +257,7 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not offloaded:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _refuse_prebuilt_dtensors(self, does: str = "shards", other_fix: str = "") -> None:
         """The strategy parallelizes the model itself: DTensor parameters from configure_model are refused."""
@@ -336,7 +272,7 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
                 " parallelism."
             )
 
-    def _parallelize(self, trainer: pl.Trainer) -> None:
+    def _parallelize(self) -> None:
         assert self.model is not None
         self._refuse_prebuilt_dtensors()
         # bf16-true / 16-true: cast before sharding so the shards are stored in half precision.
@@ -353,31 +289,67 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
             compile=bool(self._compile),
             cpu_offload=self._cpu_offload,
         )
-        _info(f"{self.strategy_name}: {self.plan.describe()}")
-        apply_fsdp(
-            self.model,
-            self.parallel_dims.fsdp_mesh(self.device_mesh),
+        info(f"{self.strategy_name}: {self.plan.summary()}")
+        debug(f"{self.strategy_name}: {self.plan.describe()}")
+        parallelize(self.model, self.parallel_dims, self._parallelize_config(blocks))
+        if self._init_from is not None:
+            load_full_state_dict(self.model, self._init_from if self.global_rank == 0 else None)
+            info(
+                f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the sharded model"
+            )
+
+    def _parallelize_config(self, blocks: BlockPlan) -> ParallelizeConfig:
+        return ParallelizeConfig(
             block_types=blocks,
+            activation_checkpointing=self._activation_checkpointing,
+            compile=self._compile,
             reshard_after_forward=self._reshard_after_forward,
             mp_policy=self._mp_policy,
             offload=offload_policy(self._cpu_offload, self.root_device),
-            activation_checkpointing=self._activation_checkpointing,
-            compile=self._compile,
-            forward_methods=_STEP_METHODS,
+            forward_methods=STEP_METHODS,
         )
-        if self._init_from is not None:
-            load_full_state_dict(self.model, self._init_from if self.global_rank == 0 else None)
-            _info(
-                f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the sharded model"
-            )
+
+    # --- reliability (lit_parallel.reliability): one call each --------------------------------------------
+
+    @override
+    def _setup_distributed(self) -> None:
+        self.reliability.setup_process_group(self, super()._setup_distributed)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        save_sharded_checkpoint(self, checkpoint, filepath, storage_options, super().save_checkpoint)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        return load_sharded_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        super().barrier(name)
+        self.reliability.after_barrier(name)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.reliability.process_dataloader(self, super().process_dataloader(dataloader))
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.reliability.on_exception(exception, self.global_rank)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self.reliability.teardown()
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches of gradient accumulation: no reduce-scatter (FSDP2's
         ``set_requires_gradient_sync(False)``); the final one reduces the accumulated gradients."""
-        from torch.distributed.fsdp import FSDPModule
-
         if isinstance(self.model, FSDPModule):
             with no_gradient_sync(self.model):
                 yield None
@@ -386,7 +358,7 @@ class TransformerFSDPStrategy(ReliabilityMixin, ModelParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from lightning.fabric.strategies import _StrategyRegistry
 from typing_extensions import override
 
 from lit_parallel.parallel.mesh import ParallelDims
@@ -42,7 +41,7 @@ class HybridShardStrategy(TransformerFSDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,

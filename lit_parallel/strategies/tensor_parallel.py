@@ -1,7 +1,7 @@
 """TensorParallelStrategy ("tp_dp"): tensor parallelism inside blocks, FSDP2 across, no configure_model.
 
-A thin shell over :func:`~lit_parallel.parallel.infer_tp_plan`, :func:`~lit_parallel.parallel.apply_tp`
-and :func:`~lit_parallel.parallel.apply_fsdp`, in torchtitan's order: tensor parallelism, then
+A thin shell: it infers the plan (:func:`~lit_parallel.parallel.infer_tp_plan`) and hands it to
+:func:`~lit_parallel.parallel.parallelize`, which applies torchtitan's order: tensor parallelism, then
 activation checkpointing, then compile, then FSDP2 over the data-parallel dimension (per block, then the
 root). Everything else comes from ``fsdp_blocks`` (itself built on Lightning's ModelParallelStrategy):
 the mesh from :class:`~lit_parallel.parallel.ParallelDims`, a sampler over the data-parallel ranks only
@@ -16,56 +16,30 @@ from collections.abc import Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
+from lit_parallel._logging import debug, info
 from lit_parallel.parallel.blocks import BlockPlan, find_transformer_blocks
-from lit_parallel.parallel.fsdp import (
-    _broadcast_from_rank0,
-    _has_meta,
-    apply_fsdp,
-    load_full_state_dict,
-)
-from lit_parallel.parallel.mesh import TP, ParallelDims, divisors
-from lit_parallel.parallel.tensor_parallel import (
-    PlanSpec,
-    TPPlan,
-    apply_tp,
-    local_parameter_bytes,
-    plan_from_spec,
-)
+from lit_parallel.parallel.fsdp import load_full_state_dict
+from lit_parallel.parallel.materialize import has_meta
+from lit_parallel.parallel.mesh import ParallelDims, Size, check_size
+from lit_parallel.parallel.parallelize import parallelize
+from lit_parallel.parallel.rank_bytes import describe_parameter_bytes
+from lit_parallel.parallel.tensor_parallel import PlanSpec, TPPlan, plan_from_spec
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
-from lit_parallel.strategies.fsdp import (
-    _STEP_METHODS,
-    TransformerFSDPStrategy,
-    _info,
-)
+from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-Size = Literal["auto"] | int
 _LAYOUT_KEY = "tp_dp_layout"
-
-
-def _check_size(name: str, value: Any, auto: bool = True) -> None:
-    if auto and value == "auto":
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be {'auto or ' if auto else ''}a positive integer")
-
-
-def _or(values: list[int]) -> str:
-    text = [str(v) for v in values]
-    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " or " + text[-1]
 
 
 class TensorParallelStrategy(TransformerFSDPStrategy):
@@ -120,7 +94,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         activation_checkpointing: bool = False,
         compile: bool | Mapping[str, Any] = False,
-        init_from: _PATH | None = None,
+        init_from: str | Path | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -128,9 +102,9 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
     ) -> None:
-        _check_size("data_parallel_size", data_parallel_size)
-        _check_size("tensor_parallel_size", tensor_parallel_size)
-        _check_size("data_parallel_replicate_size", data_parallel_replicate_size, auto=False)
+        check_size("data_parallel_size", data_parallel_size, auto=True)
+        check_size("tensor_parallel_size", tensor_parallel_size, auto=True)
+        check_size("data_parallel_replicate_size", data_parallel_replicate_size)
         if not (isinstance(plan, (str, Mapping)) or callable(plan)) or (
             isinstance(plan, str) and plan != "auto"
         ):
@@ -172,42 +146,13 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
 
     @override
     def _parallel_dims(self) -> ParallelDims:
-        world = self.num_nodes * self.num_processes
-        layout = f"num_nodes({self.num_nodes}) * devices({self.num_processes})"
-        tp, dp, rep = self._tp_size, self._dp_size, self._replicate_size
-        if tp == "auto" and dp == "auto":
-            tp = self.num_processes
-        elif tp == "auto":
-            if world % dp:
-                raise ValueError(
-                    f"data_parallel_size={dp} does not divide the world size {world} = {layout}; choose"
-                    f" {_or(divisors(world))}"
-                )
-            tp = world // dp
-        if dp == "auto":
-            if world % (tp * rep):
-                raise ValueError(
-                    f"tensor_parallel_size({tp}) * data_parallel_replicate_size({rep}) = {tp * rep} does not"
-                    f" divide the world size {world} = {layout}; choose sizes whose product divides {world}"
-                )
-            dp = world // tp
-        if dp % rep:
-            raise ValueError(
-                f"data_parallel_replicate_size={rep} does not divide data_parallel_size={dp} (the data-parallel"
-                f" ranks are replicate x shard); choose {_or(divisors(dp))}"
-            )
-        try:
-            return ParallelDims(
-                world_size=world,
-                data_parallel_replicate=rep,
-                data_parallel_shard=dp // rep,
-                tensor_parallel=tp,
-            )
-        except ValueError as err:
-            raise ValueError(
-                f"{err} (tp_dp: data_parallel_size={dp} = data_parallel_replicate({rep}) *"
-                f" data_parallel_shard({dp // rep}), tensor_parallel_size={tp}, world size = {layout})"
-            ) from None
+        return ParallelDims.for_tensor_parallel(
+            num_nodes=self.num_nodes,
+            devices_per_node=self.num_processes,
+            data_parallel=self._dp_size,
+            tensor_parallel=self._tp_size,
+            data_parallel_replicate=self._replicate_size,
+        )
 
     def _make_plan(self, module: nn.Module, blocks: BlockPlan | None = None) -> TPPlan:
         example = None
@@ -231,45 +176,34 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         if not is_overridden("configure_model", model) and any(True for _ in model.parameters()):
             if self._dims is None:
                 self._validate()
-            if not _has_meta(model):
+            if not has_meta(model):
                 self.tp_plan = self._make_plan(model)
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
     @override
-    def _parallelize(self, trainer: pl.Trainer) -> None:
+    def _parallelize(self) -> None:
         assert self.model is not None
         self._refuse_prebuilt_dtensors("parallelizes", other_fix=" (pass your own plan=... instead)")
         self.model = self.precision_plugin.convert_module(self.model)
         blocks = find_transformer_blocks(self.model, self._block_types)
-        plan = self.tp_plan if self.tp_plan is not None else self._make_plan(self.model, blocks)
-        self.tp_plan = plan
-        meta = _has_meta(self.model)
-        if not meta:
-            # Every rank starts from rank 0's weights, so each one can take its shard locally (no scatter).
-            _broadcast_from_rank0([t for t in (*self.model.parameters(), *self.model.buffers())])
-        tp_mesh = self.device_mesh[TP]
-        apply_tp(self.model, tp_mesh, plan, src_data_rank=None)
-        _info(f"{self.strategy_name}: mesh {self.parallel_dims.describe()}\n{plan.describe()}")
-        apply_fsdp(
-            self.model,
-            self.parallel_dims.fsdp_mesh(self.device_mesh),
-            block_types=blocks,
-            reshard_after_forward=self._reshard_after_forward,
-            mp_policy=self._mp_policy,
-            activation_checkpointing=self._activation_checkpointing,
-            compile=self._compile,
-            forward_methods=_STEP_METHODS,
-            sync_module_states=False,
+        if self.tp_plan is None:
+            self.tp_plan = self._make_plan(self.model, blocks)
+        config = self._parallelize_config(blocks)
+        config.tp_plan = self.tp_plan
+        info(f"{self.strategy_name}: mesh {self.parallel_dims.describe()}; {self.tp_plan.describe()}")
+        debug(f"{self.strategy_name}: {self.tp_plan.describe(detail=True)}")
+        parallelize(self.model, self.parallel_dims, config)
+        info(
+            f"{self.strategy_name}: {describe_parameter_bytes(self.model, self.tp_plan, self.parallel_dims)}"
         )
-        _info(f"{self.strategy_name}: {describe_parameter_bytes(self.model, plan, self.parallel_dims)}")
         if self._init_from is not None:
             full = None
             if self.global_rank == 0:
                 full = torch.load(self._init_from, mmap=True, weights_only=True, map_location="cpu")
-                full = plan.to_parallel_layout(full)
+                full = self.tp_plan.to_parallel_layout(full)
             load_full_state_dict(self.model, full)
-            _info(
+            info(
                 f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the split model"
             )
 
@@ -277,7 +211,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         # Weights are saved in their original layout, but the optimizer state of fused layers keeps the
         # row order of this TP size: record it so that a resume with another TP size is refused.
@@ -289,7 +223,9 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if (path / "meta.pt").is_file():
             try:
@@ -345,7 +281,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,
@@ -363,24 +299,3 @@ def _local_loss(output: Any) -> Any:
     if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
         return {**output, "loss": output["loss"].to_local()}
     return output
-
-
-def describe_parameter_bytes(module: nn.Module, plan: TPPlan, dims: ParallelDims) -> str:
-    """Parameter bytes this rank holds: split block layers (1/(dp x tp) of their size) and the rest (1/dp)."""
-    from torch.distributed.tensor import DTensor
-
-    local = local_parameter_bytes(module)
-    split_paths = tuple(f"{layer.path}." for layer in plan.split)
-    groups = {"split": [0, 0], "other": [0, 0]}
-    for name, p in module.named_parameters():
-        full = p.numel() * p.element_size() if isinstance(p, DTensor) else local[name]
-        key = "split" if name.startswith(split_paths) else "other"
-        groups[key][0] += local[name]
-        groups[key][1] += full
-    (s_local, s_full), (o_local, o_full) = groups["split"], groups["other"]
-    return (
-        f"parameter bytes on this rank: {s_local + o_local:,} of {s_full + o_full:,};"
-        f" tensor-parallel layers {s_local:,} of {s_full:,}"
-        f" (1/{s_full // s_local if s_local else 0}; data_parallel {dims.data_parallel} x tensor_parallel"
-        f" {dims.tensor_parallel}), other parameters {o_local:,} of {o_full:,}"
-    )

@@ -396,7 +396,7 @@ def prebuilt_dtensors(ctx) -> dict:
     for strategy in (TransformerFSDPStrategy(), TensorParallelStrategy()):
         strategy.model = model
         try:
-            strategy._parallelize(None)
+            strategy._parallelize()
         except TypeError as err:
             out[type(strategy).__name__] = str(err)
     return out
@@ -412,7 +412,7 @@ def hsdp_parity(ctx) -> dict:
     run = _parity_run(ctx, strategy)
     run["mesh_dims"] = list(strategy.device_mesh.mesh_dim_names)
     run["mesh_shape"] = list(strategy.device_mesh.shape)
-    run["dp_size"] = strategy.parallel_dims.data_parallel_mesh(strategy.device_mesh).size()
+    run["dp_size"] = strategy.parallel_dims.data_parallel_mesh().size()
     run["sampler"] = strategy.distributed_sampler_kwargs
     run["names"] = [DP, DP_REPLICATE, DP_SHARD]
     return run
@@ -563,3 +563,37 @@ def gpu_fsdp(ctx) -> dict:
             "shard_devices": sorted({p.to_local().device.type for p in model.parameters()}),
         }
     return out
+
+
+# --- the parallelize pipeline on its own, without a Trainer ----------------------------------------------
+
+
+def parallelize_without_trainer(ctx) -> dict:
+    """``ParallelDims`` + ``parallelize`` on a plain module: rank 1 starts from other weights (rank 0's must
+    win), activation checkpointing on, 3 SGD steps with clipping; each rank takes its half of a global batch."""
+    from lit_parallel.parallel import ParallelDims, ParallelizeConfig, parallelize
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model("gpt", seed=rank)  # different initialisations: parallelize syncs rank 0's
+    dims = ParallelDims.for_fsdp(world)
+    dims.build_mesh("cpu")
+    plan = parallelize(model, dims, ParallelizeConfig(activation_checkpointing=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, _ = lm_dataset(n=12).tensors  # 3 global batches of 4
+    losses = []
+    for step in range(3):
+        bx = x[4 * step : 4 * step + 4].chunk(world)[rank]
+        by = y[4 * step : 4 * step + 4].chunk(world)[rank]
+        loss = F.cross_entropy(model(bx).flatten(0, 1), by.flatten())
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": torch.tensor(losses, dtype=torch.float64),
+        "params": _full_on_rank0(model),
+        "blocks": plan.num_blocks,
+        "fsdp_groups": sum(type(m).__name__.startswith("FSDP") for m in model.modules()),
+        "checkpointed": sum(bool(getattr(m, "_lp_activation_checkpointing", False)) for m in model.modules()),
+    }

@@ -515,7 +515,7 @@ def recovery_under_lightning_launcher(ctx) -> dict:
     strategy = make_strategy("ddp_tuned")
     out["clean"] = _caught_fit(ctx, strategy, model, loader(), max_epochs=1)
     out["clean"]["losses"] = _losses(model)
-    out["clean"]["owns"] = strategy.owns_process_group
+    out["clean"]["owns"] = strategy.reliability.owns_process_group
     return out
 
 

@@ -112,7 +112,7 @@ def _parity(ctx, name: str, **strategy_kwargs) -> dict:
         "placements": {n: str(p.placements) for n, p in model.named_parameters()},
         "how": plan.how,
         "mesh": list(t.strategy.device_mesh.mesh_dim_names),
-        "dp_rank": t.strategy.parallel_dims.data_parallel_mesh(t.strategy.device_mesh).get_local_rank(),
+        "dp_rank": t.strategy.parallel_dims.data_parallel_mesh().get_local_rank(),
         "local_bytes": local_parameter_bytes(model),
     }
 

@@ -1,0 +1,133 @@
+"""The one path from a plain module to a parallel one: :func:`parallelize`.
+
+Every strategy that splits a model (``fsdp_blocks``, ``hsdp``, ``tp_dp``) calls this function; it needs
+no Trainer::
+
+    dims = ParallelDims.for_fsdp(world_size)      # or for_hybrid_shard / for_tensor_parallel
+    dims.build_mesh("cuda")
+    parallelize(model, dims, ParallelizeConfig(activation_checkpointing=True))
+
+It applies small single-purpose steps in a fixed order (torchtitan's: tensor parallel -> activation
+checkpointing -> compile -> FSDP), each explained where it is called. Extension points: a model family's
+tensor-parallel knowledge enters through the plan (``ParallelizeConfig.tp_plan``, inferred by
+:func:`~lit_parallel.parallel.infer_tp_plan` from the family plan providers); a pipeline-stage split
+belongs first, before tensor parallelism, so that each stage is parallelized on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
+from lit_parallel.parallel.fsdp import apply_fsdp
+from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_blocks, mesh_device
+from lit_parallel.parallel.mesh import ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    from lit_parallel.parallel.tensor_parallel import TPPlan
+
+
+@dataclass
+class ParallelizeConfig:
+    """What :func:`parallelize` applies.
+
+    Args:
+        block_types: what the transformer blocks are (see :func:`find_transformer_blocks`) or a ready plan.
+        tp_plan: a tensor-parallel plan to apply over ``dims``' ``tensor_parallel`` mesh (``None``: no TP).
+        activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block (``True`` or a dict of ``torch.compile`` arguments).
+        reshard_after_forward: ZeRO-3 (``True``) or ZeRO-2 (``False``), on every FSDP group.
+        mp_policy: FSDP2 mixed-precision policy (``None``: compute in the parameters' dtype).
+        offload: FSDP2 offload policy (``None``: keep everything on the device).
+        forward_methods: methods of the module besides ``forward`` that run the model
+            (``"training_step"``, ...): FSDP gathers the root group's parameters around them.
+        sync_module_states: for a module not on the meta device, copy rank 0's weights to every rank first.
+    """
+
+    block_types: BlockTypes | BlockPlan = "auto"
+    tp_plan: TPPlan | None = None
+    activation_checkpointing: bool = False
+    compile: bool | Mapping[str, Any] = False
+    reshard_after_forward: bool = True
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload: OffloadPolicy | None = None
+    forward_methods: Iterable[str] = ()
+    sync_module_states: bool = True
+
+
+def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig | None = None) -> BlockPlan:
+    """Split ``module`` over ``dims.mesh`` (built beforehand) as ``config`` says; returns the block plan."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = config or ParallelizeConfig()
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"{type(module).__name__} already has FSDP applied; parallelize must run once")
+    plan = config.block_types
+    plan = plan if isinstance(plan, BlockPlan) else find_transformer_blocks(module, plan)
+    blocks = [block for _, block in plan.blocks]
+    sync = config.sync_module_states
+    if config.tp_plan is not None:
+        # Tensor parallelism first: it turns parameters into DTensors that FSDP then shards further.
+        apply_tensor_parallel(module, dims, config.tp_plan)
+        sync = False  # each rank already took its TP shard from rank 0's weights
+    for block in blocks:
+        # Activation checkpointing wraps the block's forward; FSDP's hooks stay outside it, so the
+        # recomputation runs on the parameters FSDP gathered for backward.
+        if config.activation_checkpointing:
+            apply_activation_checkpointing(block)
+        # Compile after AC (the compiled graph includes the recomputation) and before FSDP (torchtitan's order).
+        if config.compile is not False:
+            apply_compile(block, {} if config.compile is True else config.compile)
+    # FSDP last, bottom-up: each block is materialised (or synced from rank 0) just before it is sharded, so
+    # no rank ever holds more than one whole block beyond its shards; the root group comes after the blocks.
+    ready = materialize_blocks(module, blocks, mesh_device(dims.mesh), sync_from_rank0=sync)
+    apply_fsdp(
+        module,
+        dims.fsdp_mesh(),
+        ready,
+        reshard_after_forward=config.reshard_after_forward,
+        mp_policy=config.mp_policy,
+        offload=config.offload,
+        forward_methods=config.forward_methods,
+    )
+    return plan
+
+
+def apply_tensor_parallel(module: nn.Module, dims: ParallelDims, plan: TPPlan) -> None:
+    """Apply ``plan`` over the tensor-parallel mesh; every rank takes its shard locally from rank 0's weights."""
+    from lit_parallel.parallel.tensor_parallel import apply_tp
+
+    if not has_meta(module):
+        # Every rank starts from rank 0's weights, so each one can take its shard locally (no scatter).
+        broadcast_from_rank0([*module.parameters(), *module.buffers()])
+    apply_tp(module, dims.tp_mesh(), plan, src_data_rank=None)
+
+
+def apply_activation_checkpointing(block: nn.Module) -> None:
+    """Recompute ``block``'s activations in backward instead of storing them (non-reentrant checkpoint).
+
+    The module keeps its name and class (no wrapper), so state-dict keys and ``block_types`` still match.
+    """
+    if getattr(block, "_lp_activation_checkpointing", False):
+        return
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward
+    block._lp_activation_checkpointing = True
+
+
+def apply_compile(block: nn.Module, compile_kwargs: Mapping[str, Any] | None = None) -> None:
+    """``torch.compile`` the block in place (``nn.Module.compile``: names and state-dict keys unchanged)."""
+    block.compile(**dict(compile_kwargs or {}))
