@@ -112,3 +112,16 @@ def test_the_private_use_scan_sees_imports_and_attributes(tmp_path):
         "4: from torch.nn.modules.batchnorm import _BatchNorm",
         "6: dist.distributed_c10d._get_default_group",
     ]
+
+
+def test_only_compat_imports_private_torch_or_lightning_names():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_compat.py" and path.parent == PACKAGE:
+            continue
+        uses = private_uses(path)
+        if uses:
+            offenders[str(path.relative_to(PACKAGE.parent))] = uses
+    assert not offenders, "private torch / Lightning names outside lit_parallel/_compat.py:\n" + "\n".join(
+        f"  {module}: {'; '.join(uses)}" for module, uses in offenders.items()
+    )
