@@ -10,6 +10,9 @@ parallelism can split column-wise then row-wise.
 - :class:`ViT`: patch embedding, class token, ``blocks`` in an ``nn.Sequential``
 - :class:`Seq2Seq`: ``nn.Transformer`` (encoder + decoder layers: two block kinds)
 - :class:`PlainMLP`: no repeated blocks at all
+- :func:`tanh_mlp`: the tutorial MLP, one ``nn.Sequential`` of Linear/Tanh (no repeated blocks)
+- :class:`ResidualMLP`: residual blocks as an ``nn.ModuleList`` of ``nn.Sequential``
+- :class:`ConvNet`: a CNN of ``nn.Sequential`` conv stages that widen from stage to stage
 """
 
 from __future__ import annotations
@@ -306,6 +309,50 @@ class PlainMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.net(x))
+
+
+def tanh_mlp(d_in: int = 16, hidden: int = 64, d_out: int = 4) -> nn.Sequential:
+    """The MLP of the PyTorch tutorials: Linear/Tanh layers of different shapes, nothing repeated."""
+    return nn.Sequential(
+        nn.Linear(d_in, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, 2 * hidden),
+        nn.Tanh(),
+        nn.Linear(2 * hidden, d_out),
+    )
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, d: int = 16, hidden: int = 32, depth: int = 3, d_out: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, d))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _conv_stage(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)
+    )
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels: tuple[int, ...] = (3, 8, 16, 32), classes: int = 4):
+        super().__init__()
+        self.features = nn.Sequential(*(_conv_stage(a, b) for a, b in zip(channels, channels[1:])))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels[-1], classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
 
 
 def num_params(module: nn.Module) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.harness import launch
-from tests.models import GPT, GPTConfig
+from tests.models import GPT, GPTConfig, tanh_mlp
 from tests.reference import assert_rel_close, collate, reference_training
 from tests.scenarios import fsdp as sc
 
@@ -20,6 +20,7 @@ WORLD = 2
 BATCH = 2  # per rank
 GPT_PARAMS = sum(p.numel() for p in GPT().parameters())
 GROUPS = GPTConfig().n_layer + 1  # one FSDP group per block, plus the root (embeddings, final norm, head)
+MLP_PARAMS = sum(p.numel() for p in tanh_mlp().parameters())
 
 SCENARIOS = [
     "parity_zero3",
@@ -35,6 +36,7 @@ SCENARIOS = [
     "clip_mixed_dtensor",
     "prebuilt_dtensors",
     "parallelize_without_trainer",
+    "no_blocks_mlp",
 ]
 
 
@@ -305,3 +307,38 @@ def test_parallelize_without_a_trainer_matches_single_process_and_syncs_rank0_we
     for r in out:
         assert r["blocks"] == GPTConfig().n_layer and r["fsdp_groups"] == GROUPS
         assert r["checkpointed"] == GPTConfig().n_layer
+
+
+@pytest.mark.timeout(480)
+def test_model_without_repeated_blocks_is_sharded_in_size_groups_exactly_and_holds_16_bytes_per_param_over_n(
+    run,
+):
+    out = run.scenario("no_blocks_mlp")
+    # nn.Sequential(Linear 16->64, Tanh, Linear 64->64, Tanh, Linear 64->128, Tanh, Linear 128->4)
+    sizes = [16 * 64 + 64, 64 * 64 + 64, 64 * 128 + 128, 128 * 4 + 4]
+    assert MLP_PARAMS == sum(sizes)
+    threshold = -(-MLP_PARAMS // 8)  # the documented default: an eighth of the model, rounded up
+    # post-order: the 1st layer is below the threshold, the 2nd and 3rd close a group each, the 4th is
+    # left over: the root group holds the 1st and the 4th
+    expected_groups = ["model.2", "model.4"]
+    assert sizes[0] < threshold <= min(sizes[1], sizes[2]) and sizes[3] < threshold
+    assert_parity(out, _reference("mlp"), "fsdp_blocks on a plain MLP")
+    for r in out:
+        assert r["how"] == "size" and r["groups"] == expected_groups
+        assert r["fsdp_modules"] == ["", *expected_groups]  # the groups, then the root
+        avg = (sizes[1] + sizes[2]) // 2
+        assert (
+            f"no repeated blocks: 2 size-based groups of ~{avg:,} params (threshold {threshold:,})"
+            in (r["summary"])
+        )
+        # every parameter is sharded; every group (and the root) is gathered in forward and in backward
+        assert len(r["placements"]) == 2 * len(sizes)
+        assert all(p == "(Shard(dim=0),)" for p in r["placements"].values())
+        for step in r["steps"]:
+            assert step["all_gather"] == 2 * 2 * 3 and step["all_gather_bytes"] == 2 * 2 * 4 * MLP_PARAMS
+            assert step["reduce_scatter"] == 3 and step["reduce_scatter_bytes"] == 4 * MLP_PARAMS
+    for rank, r in enumerate(out):
+        m = r["memory"]
+        assert m["params"] == 4 * MLP_PARAMS // WORLD, rank
+        assert m["grads"] == 4 * MLP_PARAMS // WORLD, rank
+        assert m["total"] == pytest.approx(16 * MLP_PARAMS / WORLD, rel=0.02), rank

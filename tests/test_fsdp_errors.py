@@ -47,15 +47,27 @@ def test_block_types_naming_no_module_fails_before_any_process_group():
     assert not dist.is_initialized()
 
 
-def test_model_without_blocks_fails_before_any_process_group():
-    class Plain(sc.LitModel):
-        def __init__(self):
-            super().__init__(build=False)
-            self.model = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64))
+class _Plain(sc.LitModel):
+    def __init__(self):
+        super().__init__(build=False)
+        self.model = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64))
 
+
+def test_model_without_blocks_is_accepted_and_planned_as_size_based_groups():
+    # issue 12: fsdp_blocks used to refuse this model (NoBlocksFoundError); now it shards size-based groups
     trainer = _trainer("fsdp_blocks", devices=1, max_steps=1)
-    with pytest.raises(NoBlocksFoundError, match="block_types='auto' found no transformer blocks in Plain"):
-        trainer.fit(Plain(), sc.loader(sc.lm_dataset()))
+    trainer.strategy.connect(_Plain())  # the block check the strategy runs before launching
+    assert not dist.is_initialized()
+    plan = lp.parallel.plan_fsdp(_Plain(), world_size=4)
+    assert plan.blocks.how == "size" and [n for n, _ in plan.blocks.blocks] == ["model.0", "model.1"]
+    assert "no repeated blocks: 2 size-based groups of ~544 params (threshold 136)" in plan.summary()
+
+
+def test_predicate_matching_nothing_fails_before_any_process_group():
+    strategy = lp.TransformerFSDPStrategy(block_types=lambda m: isinstance(m, nn.GRU))
+    trainer = _trainer(strategy, devices=1, max_steps=1)
+    with pytest.raises(NoBlocksFoundError, match="the block_types predicate matched no submodule of _Plain"):
+        trainer.fit(_Plain(), sc.loader(sc.lm_dataset()))
     assert not dist.is_initialized()
 
 

@@ -1,10 +1,12 @@
-"""Finding the transformer blocks of any ``nn.Module``.
+"""Finding the blocks (FSDP groups) of any ``nn.Module``.
 
-A transformer block is recognised structurally, not by name: it is a module with parameterised children
-that appears at least twice among the siblings of a ``ModuleList``, ``Sequential`` or ``ModuleDict``,
-and the blocks together hold most of the model's parameters. That covers ``nn.TransformerEncoder`` /
-``nn.TransformerDecoder`` layers, GPT/Llama/ViT blocks written by users, and models with several block
-kinds (encoder + decoder) without anyone registering a class.
+A block is recognised structurally, not by name: it is a module with parameterised children that appears
+at least twice among the siblings of a ``ModuleList``, ``Sequential`` or ``ModuleDict``, and the blocks
+together hold most of the model's parameters. That covers ``nn.TransformerEncoder`` /
+``nn.TransformerDecoder`` layers, GPT/Llama/ViT blocks written by users, residual blocks or CNN stages
+written as ``nn.Sequential``, and models with several block kinds (encoder + decoder) without anyone
+registering a class. A model without such blocks (a plain MLP) is split into size-based groups instead,
+like FSDP1's ``size_based_auto_wrap_policy``, so every model can be sharded.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -32,13 +35,18 @@ class BlockPlan:
         blocks: ``(qualified name, module)`` of every block, in module order; never nested in each other.
         block_types: the classes of the blocks, in order of first appearance.
         total_params: parameters of the whole module (shared parameters counted once).
-        how: how the blocks were chosen (``"auto"``, ``"classes"`` or ``"predicate"``).
+        how: how the blocks were chosen (``"auto"``, ``"classes"``, ``"predicate"``, or ``"size"``: no
+            repeated blocks, so the blocks are size-based groups).
+        group_threshold: with ``how="size"``, the parameter count at which a group was closed.
+        reason: with ``how="size"``, why no repeated blocks were taken.
     """
 
     blocks: list[tuple[str, nn.Module]]
     block_types: tuple[type, ...]
     total_params: int
     how: str = "auto"
+    group_threshold: int | None = None
+    reason: str = ""
     _block_params: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,7 +78,13 @@ class BlockPlan:
         return out
 
     def counts(self) -> list[str]:
-        """One ``"2 x GPTBlock (12,704 params each)"`` per block class."""
+        """One ``"2 x GPTBlock (12,704 params each)"`` per block class (size-based groups: one line for all)."""
+        if self.how == "size":
+            avg = round(self.block_params / self.num_blocks) if self.num_blocks else 0
+            return [
+                f"no repeated blocks: {self.num_blocks} size-based groups of ~{avg:,} params"
+                f" (threshold {self.group_threshold or 0:,})"
+            ]
         parts = []
         for cls_name, sizes in self.params_per_block().items():
             per = f"{sizes[0]:,}" if len(set(sizes)) == 1 else f"{min(sizes):,}-{max(sizes):,}"
@@ -78,6 +92,12 @@ class BlockPlan:
         return parts
 
     def describe(self) -> str:
+        if self.how == "size":
+            names = ", ".join(name for name, _ in self.blocks) or "none"
+            return (
+                f"{self.counts()[0]}: {names}; {self.block_fraction:.0%} of {self.total_params:,} params in"
+                f" groups, {self.rest_params:,} outside (root group); {self.reason}"
+            )
         return (
             f"{self.num_blocks} blocks: {', '.join(self.counts())}; {self.block_fraction:.0%} of {self.total_params:,}"
             f" params in blocks, {self.rest_params:,} outside (root group)"
@@ -102,29 +122,82 @@ def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
     return kept
 
 
-def _repeated_siblings(root: nn.Module) -> dict[type, list[tuple[str, nn.Module]]]:
-    """Class -> instances that have at least one sibling of the same class in a container."""
-    found: dict[type, dict[str, nn.Module]] = {}
+def _structure(module: nn.Module) -> tuple:
+    """The class tree of ``module`` (classes only, no shapes): what makes two containers "the same"."""
+    return (type(module), tuple(_structure(child) for child in module.children()))
+
+
+def _sibling_key(module: nn.Module) -> tuple:
+    # Every nn.Sequential is of one class, so containers also need the same class tree: two residual blocks
+    # Sequential(Linear, Tanh, Linear) repeat, a conv stem and a classifier head that are both Sequential
+    # do not. Shapes are left out on purpose: CNN stages that widen from stage to stage are still blocks.
+    return (type(module), _structure(module)) if isinstance(module, _CONTAINERS) else (type(module),)
+
+
+def _repeated_siblings(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules with parameterised children that have a sibling of the same kind in a container."""
+    found: dict[str, nn.Module] = {}
     for name, container in root.named_modules():
         if not isinstance(container, _CONTAINERS):
             continue
-        by_cls: dict[type, list[tuple[str, nn.Module]]] = {}
+        by_key: dict[tuple, list[tuple[str, nn.Module]]] = {}
         for child_name, child in container.named_children():
-            by_cls.setdefault(type(child), []).append((f"{name}.{child_name}" if name else child_name, child))
-        for cls, members in by_cls.items():
-            if len(members) < 2 or isinstance(members[0][1], _CONTAINERS):
-                continue
-            if not _has_parameterised_children(members[0][1]):
-                continue  # a leaf (Linear, Embedding, ...) is not a block
-            found.setdefault(cls, {}).update(members)
-    return {cls: list(members.items()) for cls, members in found.items()}
+            by_key.setdefault(_sibling_key(child), []).append(
+                (f"{name}.{child_name}" if name else child_name, child)
+            )
+        for members in by_key.values():
+            if len(members) >= 2 and _has_parameterised_children(members[0][1]):
+                found.update(members)  # a leaf (Linear, Embedding, ...) is never a block
+    return list(found.items())
+
+
+def size_groups(root: nn.Module, threshold: int) -> list[tuple[str, nn.Module]]:
+    """Size-based FSDP groups: walk ``root`` post-order and close a group at a module once it holds
+    ``threshold`` parameters not already in a group below it.
+
+    Unlike FSDP1's ``size_based_auto_wrap_policy`` groups never nest: a module with a group below it is not
+    a group itself, and what it holds outside its groups goes to the root group. A module whose
+    parameters are shared with a module outside it (tied weights) is never a group.
+    """
+    owners: dict[int, set[int]] = {}
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(m))
+    seen: set[int] = set()
+    groups: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> tuple[int, bool]:  # (ungrouped params, holds a group)
+        pending, grouped = 0, False
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                pending += p.numel()
+        for child_name, child in module.named_children():
+            n, g = visit(f"{name}.{child_name}" if name else child_name, child)
+            pending, grouped = pending + n, grouped or g
+        if name and not grouped and pending >= threshold and _self_contained(module, owners):
+            groups.append((name, module))
+            return 0, True
+        return pending, grouped
+
+    visit("", root)
+    return groups
+
+
+def _self_contained(module: nn.Module, owners: dict[int, set[int]]) -> bool:
+    inside = {id(m) for m in module.modules()}
+    return all(owners[id(p)] <= inside for p in module.parameters())
+
+
+def default_group_threshold(total_params: int) -> int:
+    """``min(ceil(total / 8), 10**8)``: see :func:`find_transformer_blocks`."""
+    return max(1, min(-(-total_params // 8), 10**8))
 
 
 def _auto_blocks(root: nn.Module, total: int, min_fraction: float) -> tuple[list[tuple[str, nn.Module]], str]:
-    candidates = _repeated_siblings(root)
-    if not candidates:
-        return [], "no container holds two or more sibling modules of one class with parameterised children"
-    everything = [item for members in candidates.values() for item in members]
+    everything = _repeated_siblings(root)
+    if not everything:
+        return [], "no container holds two or more sibling modules of one kind with parameterised children"
 
     def inside(name: str, outer: str) -> bool:
         return outer == "" or name.startswith(outer + ".")
@@ -180,53 +253,86 @@ def _resolve_class_names(spec: Iterable[type | str], root: nn.Module) -> tuple[s
 
 
 def find_transformer_blocks(
-    module: nn.Module, block_types: BlockTypes = "auto", *, min_fraction: float = 0.5
+    module: nn.Module,
+    block_types: BlockTypes = "auto",
+    *,
+    min_fraction: float = 0.5,
+    min_group_params: int | None = None,
 ) -> BlockPlan:
-    """Find the transformer blocks of ``module``.
+    """Find the blocks of ``module``: the FSDP groups (and the units tensor parallelism splits).
+
+    With ``"auto"``, a block is a module with parameterised children that has at least one sibling of the
+    same kind in an ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict``: the same class, and for
+    containers (an ``nn.Sequential`` residual block, a ``ModuleList`` stage) also the same class tree of
+    children (shapes may differ, so CNN stages that widen are blocks). A leaf (``nn.Linear``) is never a
+    block, so the Linears of an MLP are not taken for blocks. Blocks made of repeated blocks that hold
+    most of their parameters are split into those (stages made of layers).
+
+    When no repeated blocks hold ``min_fraction`` of the parameters, the model is still sharded: the
+    blocks become size-based groups (``how="size"``, see :func:`size_groups`), closed at
+    ``min_group_params`` parameters. Its default, ``min(ceil(total / 8), 10**8)``, keeps the parameters
+    gathered at once to about an eighth of the model (the memory contract: 16P/N plus one group) with at
+    most ~8 groups, so the collectives stay few and large, and no module smaller than an eighth of the
+    model is a group on its own; FSDP1's default of 1e8 caps it for large models. It depends only on the
+    model, never on the world size, so a plan computed before launch is the plan every rank uses.
 
     Args:
         module: any module (a LightningModule works too).
-        block_types: ``"auto"`` (repeated sibling modules of one class in a ``ModuleList``/``Sequential``/
-            ``ModuleDict`` that hold at least ``min_fraction`` of the parameters; blocks made of repeated
-            blocks are split into those), a collection of classes, class names (``"GPTBlock"``) or import
+        block_types: ``"auto"`` (above), a collection of classes, class names (``"GPTBlock"``) or import
             paths (``"pkg.model.GPTBlock"``), or a predicate ``fn(module) -> bool``. Matches nested inside
             another match are ignored (the outer one is the block).
-        min_fraction: with ``"auto"``, the smallest share of parameters the blocks must hold.
+        min_fraction: with ``"auto"``, the smallest share of parameters repeated blocks must hold to be
+            taken; below it, size-based groups are used.
+        min_group_params: with ``"auto"`` and no repeated blocks, the group threshold (``None``: default).
 
     Raises:
-        NoBlocksFoundError: nothing matched; the message says what was searched and how to pass blocks.
+        NoBlocksFoundError: explicit ``block_types`` matched nothing; the message lists the classes present.
     """
     total = sum(p.numel() for p in module.parameters())
     if isinstance(block_types, str) and block_types == "auto":
-        blocks, how = _blocks_auto(module, total, min_fraction), "auto"
+        blocks, why = _auto_blocks(module, total, min_fraction)
+        if not blocks:
+            return _size_plan(module, total, min_group_params, why)
+        how = "auto"
     elif callable(block_types) and not isinstance(block_types, type):
         blocks, how = _blocks_by_predicate(module, block_types), "predicate"
     else:
         blocks, how = _blocks_by_class(module, block_types), "classes"
+    return _plan(module, blocks, total, how)
+
+
+def _plan(
+    module: nn.Module, blocks: list[tuple[str, nn.Module]], total: int, how: str, **kw: Any
+) -> BlockPlan:
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
     blocks.sort(key=lambda item: order[item[0]])
     types: list[type] = []
     for _, m in blocks:
         if type(m) not in types:
             types.append(type(m))
-    return BlockPlan(blocks=blocks, block_types=tuple(types), total_params=total, how=how)
+    return BlockPlan(blocks=blocks, block_types=tuple(types), total_params=total, how=how, **kw)
+
+
+def _size_plan(module: nn.Module, total: int, min_group_params: int | None, why: str) -> BlockPlan:
+    if min_group_params is None:
+        threshold = default_group_threshold(total)
+    elif isinstance(min_group_params, bool) or not isinstance(min_group_params, int) or min_group_params < 1:
+        raise ValueError(
+            f"min_group_params={min_group_params!r} must be a positive integer (parameters per size-based"
+            " group) or None for the default min(ceil(total / 8), 1e8)"
+        )
+    else:
+        threshold = min_group_params
+    reason = f"block_types='auto' found no repeated blocks ({why}); to use your own blocks instead, {_HINT}"
+    return _plan(
+        module, size_groups(module, threshold), total, "size", group_threshold=threshold, reason=reason
+    )
 
 
 _HINT = (
     "pass the block classes explicitly, e.g. block_types={MyBlock} (or class names: block_types="
     "{'MyBlock'}), or a predicate block_types=lambda m: isinstance(m, MyBlock)"
 )
-
-
-def _blocks_auto(module: nn.Module, total: int, min_fraction: float) -> list[tuple[str, nn.Module]]:
-    blocks, why = _auto_blocks(module, total, min_fraction)
-    if not blocks:
-        raise NoBlocksFoundError(
-            f"block_types='auto' found no transformer blocks in {type(module).__name__} ({total:,} parameters):"
-            f" searched every nn.ModuleList / nn.Sequential / nn.ModuleDict for two or more sibling"
-            f" modules of one class that have parameterised children; {why}. To shard it anyway, {_HINT}."
-        )
-    return blocks
 
 
 def _blocks_by_predicate(

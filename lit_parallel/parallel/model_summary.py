@@ -132,7 +132,9 @@ def summarize_model(
         params=sum(p.numel() for p in module.parameters()),
         trainable_params=sum(p.numel() for p in module.parameters() if p.requires_grad),
         largest_block_params=(
-            max(n for sizes in plan.params_per_block().values() for n in sizes) if plan is not None else None
+            max((n for sizes in plan.params_per_block().values() for n in sizes), default=None)
+            if plan is not None
+            else None
         ),
         block_params=plan.block_params if plan is not None else 0,
         num_blocks=plan.num_blocks if plan is not None else 0,

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lit_parallel as lp
 from lit_parallel.parallel import CommCounter, clip_grad_norm_, full_state_dict, training_state_bytes
-from tests.models import GPT, GPTConfig, Llama, Seq2Seq
+from tests.models import GPT, GPTConfig, Llama, Seq2Seq, tanh_mlp
 from tests.scenarios.common import quiet_trainer as trainer
 
 VOCAB = 64
@@ -41,6 +41,16 @@ def seq2seq_dataset(n: int = 32, seed: int = 0) -> TensorDataset:
     return TensorDataset(src, tgt[:, :-1], tgt[:, 1:], torch.arange(n))
 
 
+def regression_dataset(n: int = 32, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    return TensorDataset(x, torch.sin(x[:, :4]) + 0.1 * torch.randn(n, 4, generator=g), torch.arange(n))
+
+
+def mse_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]).float(), batch[1])
+
+
 def lm_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     x, y = batch[0], batch[1]
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
@@ -59,11 +69,13 @@ def build_model(name: str = "gpt", seed: int = 0, n_layer: int = 2) -> torch.nn.
         return Llama()
     if name == "seq2seq":
         return Seq2Seq()
+    if name == "mlp":
+        return tanh_mlp()
     raise ValueError(name)
 
 
-LOSSES = {"gpt": lm_loss, "llama": lm_loss, "seq2seq": seq2seq_loss}
-DATASETS = {"gpt": lm_dataset, "llama": lm_dataset, "seq2seq": seq2seq_dataset}
+LOSSES = {"gpt": lm_loss, "llama": lm_loss, "seq2seq": seq2seq_loss, "mlp": mse_loss}
+DATASETS = {"gpt": lm_dataset, "llama": lm_dataset, "seq2seq": seq2seq_dataset, "mlp": regression_dataset}
 
 
 class LitModel(L.LightningModule):
@@ -221,6 +233,22 @@ def memory_adamw(ctx) -> dict:
     t = trainer(ctx, "fsdp_blocks", max_steps=1)
     t.fit(model, loader(lm_dataset()))
     return training_state_bytes(model, t.optimizers[0])
+
+
+def no_blocks_mlp(ctx) -> dict:
+    """A plain MLP without repeated blocks under fsdp_blocks: parity run, then one AdamW step's memory."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = _parity_run(ctx, "fsdp_blocks", name="mlp")
+    model = LitModel(name="mlp", optimizer="adamw", lr=1e-3)
+    t = trainer(ctx, "fsdp_blocks", max_steps=1)
+    t.fit(model, loader(regression_dataset()))
+    out["memory"] = training_state_bytes(model, t.optimizers[0])
+    out["how"] = t.strategy.plan.blocks.how
+    out["summary"] = t.strategy.plan.summary()
+    out["groups"] = [name for name, _ in t.strategy.plan.blocks.blocks]
+    out["fsdp_modules"] = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return out
 
 
 class _SetupProfiler(Callback):
