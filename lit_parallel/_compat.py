@@ -153,6 +153,12 @@ ENTRIES: dict[str, Entry] = {
         "parallel/tensor_parallel.FusedColwiseParallel permutes rows, then calls super()",
         attributes=("_partition_linear_fn",),
     ),
+    "ColwiseParallel/RowwiseParallel hooks": Entry(
+        "torch.distributed.tensor.parallel:RowwiseParallel",
+        "parallel/tp_styles.Transposed{Colwise,Rowwise}Parallel (HF Conv1D): own partition fn, torch's"
+        " input/output hooks",
+        attributes=("_prepare_input_fn", "_prepare_output_fn", "_apply"),
+    ),
     "SequenceParallel._prepare_input_fn": Entry(
         "torch.distributed.tensor.parallel:SequenceParallel",
         "parallel/tensor_parallel.SequenceParallelNorm: SequenceParallel with a gathered output",

@@ -272,3 +272,123 @@ def test_bad_plan_fails_in_fit_before_any_process_group():
     with pytest.raises(TPPlanError, match="did you mean 'model.layers.0.attention.wq'"):
         t.fit(_Lit(), [torch.zeros(1, 8, dtype=torch.long)])
     assert not dist.is_initialized()
+
+
+# --- Hugging Face families (tiny configs built in code; the split's exactness: tests/test_tp_families.py) --
+
+
+def _hf_expected(name: str) -> dict[str, str]:
+    """Every attention and MLP projection of the family's two blocks, with the style it must get."""
+    per_block = {
+        "gpt2": (
+            "transformer.h.{i}",
+            {"attn.c_attn": FUSED, "attn.c_proj": ROW, "mlp.c_fc": COL, "mlp.c_proj": ROW},
+        ),
+        "opt": (
+            "model.decoder.layers.{i}",
+            {"self_attn.q_proj": COL, "self_attn.k_proj": COL, "self_attn.v_proj": COL}
+            | {"self_attn.out_proj": ROW, "fc1": COL, "fc2": ROW},
+        ),
+        "bert": (
+            "bert.encoder.layer.{i}",
+            {"attention.self.query": COL, "attention.self.key": COL, "attention.self.value": COL}
+            | {"attention.output.dense": ROW, "intermediate.dense": COL, "output.dense": ROW},
+        ),
+        "vit": (
+            "vit.layers.{i}",
+            {"attention.q_proj": COL, "attention.k_proj": COL, "attention.v_proj": COL}
+            | {"attention.o_proj": ROW, "mlp.fc1": COL, "mlp.fc2": ROW},
+        ),
+    }
+    llama = (
+        "model.layers.{i}",
+        {"self_attn.q_proj": COL, "self_attn.k_proj": COL, "self_attn.v_proj": COL, "self_attn.o_proj": ROW}
+        | {"mlp.gate_proj": COL, "mlp.up_proj": COL, "mlp.down_proj": ROW},
+    )
+    per_block |= {"llama": llama, "mistral": llama, "qwen2": llama}
+    if name == "t5":
+        attn = {"q": COL, "k": COL, "v": COL, "o": ROW}
+        out = {}
+        for stack in ("encoder", "decoder"):
+            for i in range(2):
+                b = f"{stack}.block.{i}.layer"
+                out |= {f"{b}.0.SelfAttention.{k}": s for k, s in attn.items()}
+                if stack == "decoder":
+                    out |= {f"{b}.1.EncDecAttention.{k}": s for k, s in attn.items()}
+                ff = f"{b}.{2 if stack == 'decoder' else 1}.DenseReluDense"
+                out |= {f"{ff}.wi": COL, f"{ff}.wo": ROW}
+            out[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"] = COL
+        return out
+    prefix, layers = per_block[name]
+    return {f"{prefix.format(i=i)}.{k}": s for i in range(2) for k, s in layers.items()}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "opt", "bert", "vit", "t5"])
+def test_hf_family_plan_splits_every_attention_and_mlp_projection(name):
+    pytest.importorskip("transformers")
+    from tests.scenarios.tp_families import build
+
+    plan = infer_tp_plan(build(name), 2)
+    assert styles(plan) == _hf_expected(name)
+    assert plan.replicated == []
+
+
+def test_gpt2_conv1d_is_split_on_its_transposed_weight_with_whole_heads_per_rank():
+    pytest.importorskip("transformers")
+    from tests.scenarios.tp_families import build
+
+    plan = infer_tp_plan(build("gpt2"), 2)
+    assert plan.fused == {f"transformer.h.{i}.attn.c_attn": [32, 32, 32] for i in range(2)}
+    # Conv1D stores its weight (in, out): the output features are on dimension 1
+    assert plan.out_dims == {
+        f"transformer.h.{i}.{p}": 1
+        for i in range(2)
+        for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
+    assert sorted(plan.head_attributes) == sorted(
+        (f"transformer.h.{i}.attn", a, n, n // 2)
+        for i in range(2)
+        for a, n in (("num_heads", 4), ("split_size", 32))
+    )
+    layer = next(x for x in plan.layers if x.path == "transformer.h.0.attn.c_attn")
+    assert "Conv1D 32 -> 96, 3 chunks of 32/32/32, 4/4/4 heads x 8" in layer.detail
+
+
+def test_grouped_kv_heads_refuse_a_split_that_would_cut_a_head():
+    # Llama with 4 query heads and 2 key/value heads of 8 features: tp=4 would give each rank half a
+    # key/value head (k_proj has 16 outputs, divisible by 4, but only 2 heads)
+    pytest.importorskip("transformers")
+    from tests.scenarios.tp_families import build
+
+    with pytest.raises(TPPlanError) as err:
+        infer_tp_plan(build("llama"), 4)
+    msg = str(err.value)
+    assert "model.layers.0.self_attn.k_proj: heads of 8 features = 2 is not divisible by 4" in msg
+    assert "tensor_parallel_size from 1 or 2" in msg
+    assert "q_proj" not in msg
+
+
+def test_t5_relative_position_bias_is_split_with_the_heads():
+    pytest.importorskip("transformers")
+    from tests.scenarios.tp_families import build
+
+    plan = infer_tp_plan(build("t5"), 2)
+    bias = [x for x in plan.layers if x.path.endswith("relative_attention_bias")]
+    assert [(x.path, x.style) for x in bias] == [
+        ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias", COL),
+        ("decoder.block.0.layer.0.SelfAttention.relative_attention_bias", COL),
+    ]
+    assert "Embedding 32 x 4 (one value per head)" in bias[0].detail
+    assert ("decoder.block.1.layer.1.EncDecAttention", "n_heads", 4, 2) in plan.head_attributes
+
+
+def test_t5_traced_with_example_inputs_splits_the_same_and_runs_with_local_heads():
+    # with a trace, the later blocks' attention reads the bias handed on from block 0: still split, and
+    # one rank's forward (local heads and local bias) is simulated on the meta device
+    pytest.importorskip("transformers")
+    from tests.scenarios.tp_families import build
+
+    tokens = torch.randint(0, 64, (2, 5))
+    plan = infer_tp_plan(build("t5"), 2, example_inputs={"input_ids": tokens, "decoder_input_ids": tokens})
+    assert plan.how == "traced"
+    assert styles(plan) == _hf_expected("t5")

@@ -17,7 +17,18 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lit_parallel.parallel.tp_plan import COLWISE, COLWISE_FUSED, REPLICATED, ROWWISE, TPLayer, TPPlan
+from lit_parallel.parallel.tp_plan import (
+    COLWISE,
+    COLWISE_FUSED,
+    REPLICATED,
+    ROWWISE,
+    TPLayer,
+    TPPlan,
+    in_features,
+    is_projection,
+    out_features,
+    projection_kind,
+)
 from lit_parallel.parallel.tp_styles import parallel_style
 from lit_parallel.parallel.tp_trace import Flow, block_width
 
@@ -32,10 +43,13 @@ class NameHints:
     Attributes:
         row: names of layers that write back to the residual stream (attention output, MLP down).
         fused: names of Linears holding several projections (their chunk layout needs a trace).
+        head_dim: integer attributes of an attention module holding its head width: a column layer
+            it owns then has ``out_features / head_dim`` heads, which the split must keep whole.
     """
 
     row: re.Pattern
     fused: re.Pattern
+    head_dim: tuple[str, ...] = ("head_dim", "attention_head_size", "key_value_proj_dim")
 
 
 @dataclass
@@ -63,8 +77,28 @@ class BlockSplit:
     groups: list[Group] = field(default_factory=list)
 
 
-def describe_linear(lin: nn.Linear) -> str:
-    return f"Linear {lin.in_features} -> {lin.out_features}"
+def describe_linear(lin: nn.Module) -> str:
+    return f"{projection_kind(lin).name} {in_features(lin)} -> {out_features(lin)}"
+
+
+def out_dim(module: nn.Module) -> int:
+    """The weight dimension holding ``module``'s output features (0 for ``nn.Linear``)."""
+    return projection_kind(module).out_dim
+
+
+def projection_style(
+    plan: TPPlan, path: str, module: nn.Module, kind: str, sections: list[int] | None = None
+):
+    """The ``ParallelStyle`` for projection ``module`` at ``path`` (records a transposed weight's layout)."""
+    dim = out_dim(module)
+    if dim:
+        plan.out_dims[path] = dim
+    return parallel_style(
+        kind,
+        sections=sections,
+        sequence_parallel=plan.sequence_parallel and kind == ROWWISE,
+        out_dim=dim,
+    )
 
 
 def _is_head_count_name(attr: str) -> bool:
@@ -90,7 +124,7 @@ def head_attributes(
     found = []
     for path in sorted(owners):
         module = named.get(path)
-        if module is None or isinstance(module, nn.Linear):
+        if module is None or is_projection(module):
             continue
         for attr, value in vars(module).items():
             if isinstance(value, bool) or not isinstance(value, int) or not _is_head_count_name(attr):
@@ -167,7 +201,7 @@ def _groups_from_flow(
 
 def _col_info(name: str, lin: nn.Linear, row: nn.Linear, flow: Flow) -> _ColInfo:
     info = _ColInfo()
-    out = lin.out_features
+    out = out_features(lin)
     splits = flow.splits.get(name)
     views = flow.views.get(name, [])
     if splits and sum(splits) == out:
@@ -181,7 +215,7 @@ def _col_info(name: str, lin: nn.Linear, row: nn.Linear, flow: Flow) -> _ColInfo
     whole = [f for features, f in views if features == out]
     if whole:
         factors = whole[0]
-        ratio, rem = divmod(out, row.in_features)
+        ratio, rem = divmod(out, in_features(row))
         if len(factors) >= 3 and rem == 0 and ratio > 1 and factors[0] == ratio:
             info.sections = [out // ratio] * ratio
             info.heads = [math.prod(factors[1:-1])] * ratio
@@ -203,14 +237,14 @@ def _plan_column(
             checks.append((c, f"output chunk {i} width", size))
         plan.fused[c] = info.sections
     else:
-        checks.append((c, "output features", lin.out_features))
+        checks.append((c, "output features", out_features(lin)))
     for i, h in enumerate(info.heads):
         label = "heads" if len(info.heads) == 1 else f"heads of chunk {i}"
         checks.append((c, label, h))
     if info.heads:
         detail += f", {'/'.join(map(str, info.heads))} heads x {info.head_dim}"
     style = COLWISE_FUSED if info.sections else COLWISE
-    plan.styles[c] = parallel_style(style, sections=info.sections)
+    plan.styles[c] = projection_style(plan, c, lin, style, info.sections)
     plan.layers.append(TPLayer(c, style, detail))
     return set(info.heads)
 
@@ -221,19 +255,19 @@ def plan_block_traced(
     """Split one block by its traced data flow: column layers feeding one row layer each."""
     tp = plan.tp_size
     prefix = f"{block_name}." if block_name else ""
-    lins = {prefix + n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+    lins = {prefix + n: m for n, m in block.named_modules() if is_projection(m)}
     groups, reasons = _groups_from_flow(block_name, lins, flow)
     split = BlockSplit(groups=groups)
     for g in groups:
         row = lins[g.row]
         for c in g.cols:
             split.heads |= _plan_column(c, lins[c], row, flow, plan, checks)
-            split.local[c] = (lins[c].in_features, lins[c].out_features // tp)
+            split.local[c] = (in_features(lins[c]), out_features(lins[c]) // tp)
             split.cols.append(c)
-        checks.append((g.row, "input features", row.in_features))
-        plan.styles[g.row] = parallel_style(ROWWISE, sequence_parallel=plan.sequence_parallel)
+        checks.append((g.row, "input features", in_features(row)))
+        plan.styles[g.row] = projection_style(plan, g.row, row, ROWWISE)
         plan.layers.append(TPLayer(g.row, ROWWISE, f"{describe_linear(row)}, fed by {', '.join(g.cols)}"))
-        split.local[g.row] = (row.in_features // tp, row.out_features)
+        split.local[g.row] = (in_features(row) // tp, out_features(row))
     for n, reason in reasons.items():
         plan.layers.append(TPLayer(n, REPLICATED, describe_linear(lins[n]), reason))
     return split
@@ -250,8 +284,8 @@ def _flat_segments(members: list[tuple[str, nn.Linear]], width: int) -> list[lis
     for i, (n, m) in enumerate(members):
         seg.append((n, m))
         nxt = members[i + 1][1] if i + 1 < len(members) else None
-        closes = m.out_features == width and any(x.out_features % m.in_features == 0 for _, x in seg[:-1])
-        if closes and (nxt is None or nxt.out_features != width):
+        closes = out_features(m) == width and any(out_features(x) % in_features(m) == 0 for _, x in seg[:-1])
+        if closes and (nxt is None or out_features(nxt) != width):
             segments.append(seg)
             seg = []
     if seg:
@@ -264,7 +298,7 @@ def _segments(block_name: str, block: nn.Module, width: int) -> list[list[tuple[
     prefix = f"{block_name}." if block_name else ""
     by_parent: dict[str, list[tuple[str, nn.Linear]]] = {}
     for n, m in block.named_modules():
-        if isinstance(m, nn.Linear):
+        if is_projection(m):
             by_parent.setdefault((prefix + n).rsplit(".", 1)[0], []).append((prefix + n, m))
     segments: list[list[tuple[str, nn.Linear]]] = []
     for parent, members in by_parent.items():
@@ -274,17 +308,17 @@ def _segments(block_name: str, block: nn.Module, width: int) -> list[list[tuple[
 
 def _segment_pair(seg: list[tuple[str, nn.Linear]], width: int, hints: NameHints):
     """``(row, cols, why)``: the row layer and its column layers, or why the segment stays replicated."""
-    writers = [(n, m) for n, m in seg if m.out_features == width]
+    writers = [(n, m) for n, m in seg if out_features(m) == width]
     hinted = [(n, m) for n, m in writers if hints.row.search(n)]
     row = (hinted or writers or [None])[-1]
-    cols = [(n, m) for n, m in seg if row is not None and n != row[0] and m.in_features == width]
+    cols = [(n, m) for n, m in seg if row is not None and n != row[0] and in_features(m) == width]
     if row is None or not cols:
         return row, cols, "no layer pair reading and writing back the block width"
     fused = [
         n
         for n, m in cols
         if hints.fused.search(n.rsplit(".", 1)[-1])
-        or (m.out_features != row[1].in_features and m.out_features % row[1].in_features == 0)
+        or (out_features(m) != in_features(row[1]) and out_features(m) % in_features(row[1]) == 0)
     ]
     if fused:
         return (
@@ -295,8 +329,8 @@ def _segment_pair(seg: list[tuple[str, nn.Linear]], width: int, hints: NameHints
                 " layout is only visible when the model runs"
             ),
         )
-    if not any(m.out_features == row[1].in_features for _, m in cols):
-        return row, cols, f"no column layer produces the {row[1].in_features} features {row[0]} reads"
+    if not any(out_features(m) == in_features(row[1]) for _, m in cols):
+        return row, cols, f"no column layer produces the {in_features(row[1])} features {row[0]} reads"
     return row, cols, ""
 
 
@@ -314,21 +348,42 @@ def plan_block_structural(
             plan.layers += [TPLayer(n, REPLICATED, describe_linear(m), why) for n, m in seg]
             continue
         for n, m in cols:
-            checks.append((n, "output features", m.out_features))
-            plan.styles[n] = parallel_style(COLWISE)
+            checks.append((n, "output features", out_features(m)))
+            plan.styles[n] = projection_style(plan, n, m, COLWISE)
             plan.layers.append(TPLayer(n, COLWISE, describe_linear(m)))
             split.cols.append(n)
-        checks.append((row[0], "input features", row[1].in_features))
-        plan.styles[row[0]] = parallel_style(ROWWISE)
+            split.local[n] = (in_features(m), out_features(m) // plan.tp_size)
+        checks.append((row[0], "input features", in_features(row[1])))
+        plan.styles[row[0]] = projection_style(plan, row[0], row[1], ROWWISE)
+        split.local[row[0]] = (in_features(row[1]) // plan.tp_size, out_features(row[1]))
         plan.layers.append(TPLayer(row[0], ROWWISE, describe_linear(row[1])))
         for n, m in seg:
             if n != row[0] and (n, m) not in cols:
                 plan.layers.append(
                     TPLayer(n, REPLICATED, describe_linear(m), "not part of a column -> row pair")
                 )
+    _head_dim_checks(root, block_name, split, checks, hints)
     for path in {c.rsplit(".", 1)[0] for c in split.cols} | ({block_name} if split.cols else set()):
         for attr, value in vars(root.get_submodule(path)).items():
             if _is_head_count_name(attr) and isinstance(value, int) and not isinstance(value, bool):
                 checks.append((f"{path}.{attr}", "heads", value))
                 split.heads.add(value)
     return split
+
+
+def _head_dim_checks(
+    root: nn.Module, block_name: str, split: BlockSplit, checks: list[Check], hints: NameHints
+) -> None:
+    """Heads per column layer from the head width of the attention module owning it (grouped key/value
+    heads included), so a split never cuts a head. Layers defined directly in the block are left out:
+    there the MLP's Linears share the owner with the attention's."""
+    for c in split.cols:
+        path = c.rsplit(".", 1)[0] if "." in c else ""
+        if path == block_name:
+            continue
+        owner = root.get_submodule(path)
+        width = out_features(root.get_submodule(c))
+        dims = [getattr(owner, a, None) for a in hints.head_dim]
+        head_dim = next((d for d in dims if isinstance(d, int) and not isinstance(d, bool) and d > 0), None)
+        if head_dim and width % head_dim == 0:
+            checks.append((c, f"heads of {head_dim} features", width // head_dim))

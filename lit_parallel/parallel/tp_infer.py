@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
+from lit_parallel.parallel.conversions import convert_for_tensor_parallel
 from lit_parallel.parallel.formatting import divisors, format_choices
+from lit_parallel.parallel.tp_chains import plan_without_blocks
 from lit_parallel.parallel.tp_families import provider_for
 from lit_parallel.parallel.tp_generic import Check, Group, describe_linear, head_attributes
 from lit_parallel.parallel.tp_plan import LOSS_PARALLEL_HEAD, SEQUENCE_PARALLEL, TPLayer, TPPlan, TPPlanError
@@ -68,13 +70,18 @@ def infer_tp_plan(
     """
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size={tp_size!r} must be a positive integer")
+    conversion_notes: list[str] = []  # modules a fused kernel keeps whole become splittable ones first
+    convert_for_tensor_parallel(model, conversion_notes)
     blocks_plan = (
         block_types if isinstance(block_types, BlockPlan) else find_transformer_blocks(model, block_types)
     )
+    if blocks_plan.how == "size":  # no repeated blocks: pair the Linears of its chains instead
+        return plan_without_blocks(model, tp_size, sequence_parallel, loss_parallel, example_inputs)
     blocks = blocks_plan.blocks
     plan = TPPlan(
         tp_size=tp_size, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, blocks=blocks_plan
     )
+    plan.notes += conversion_notes
     plan.first_block, plan.last_block = blocks[0][0], blocks[-1][0]
     flow, why = auto_trace(model, blocks, example_inputs)
     checks: list[Check] = []

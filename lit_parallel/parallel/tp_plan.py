@@ -51,6 +51,54 @@ class TPLayer:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class ProjectionKind:
+    """A kind of module that projects its input's last dimension (``nn.Linear``, HF's transposed
+    ``Conv1D``): what the planner needs to split it.
+
+    Attributes:
+        name: for messages (``"Linear"``).
+        matches: ``matches(module)`` is true for modules of this kind.
+        in_features, out_features: the module's input and output widths.
+        out_dim: the weight dimension that holds the output features (0 for ``nn.Linear``'s
+            ``(out, in)`` weight, 1 for a weight stored ``(in, out)``); the bias is always ``(out,)``.
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    in_features: Callable[[nn.Module], int]
+    out_features: Callable[[nn.Module], int]
+    out_dim: int = 0
+
+
+LINEAR = ProjectionKind(
+    "Linear",
+    lambda m: isinstance(m, nn.Linear),
+    lambda m: m.in_features,
+    lambda m: m.out_features,
+)
+
+# Asked in order. Families with their own projection modules add an entry (see tp_families).
+PROJECTION_KINDS: list[ProjectionKind] = [LINEAR]
+
+
+def projection_kind(module: nn.Module) -> ProjectionKind | None:
+    """The :class:`ProjectionKind` of ``module``, or None when it is not a projection."""
+    return next((k for k in PROJECTION_KINDS if k.matches(module)), None)
+
+
+def is_projection(module: nn.Module) -> bool:
+    return projection_kind(module) is not None
+
+
+def in_features(module: nn.Module) -> int:
+    return projection_kind(module).in_features(module)
+
+
+def out_features(module: nn.Module) -> int:
+    return projection_kind(module).out_features(module)
+
+
 def fused_permutation(sections: Sequence[int], tp: int) -> torch.Tensor:
     """Row order ``[chunk0 part0, chunk1 part0, ..., chunk0 part1, ...]``: rank r's contiguous shard
     then holds the r-th part of every chunk (its heads of q, k and v)."""
@@ -85,6 +133,8 @@ class TPPlan:
         first_block, last_block: where the stream is split over the sequence and gathered again
             (sequence parallelism).
         fused: fused layers -> the widths of their chunks (their rows are reordered per rank).
+        out_dims: split projections whose weight holds the output features on a dimension other
+            than 0 (HF ``Conv1D``: 1) -> that dimension.
     """
 
     tp_size: int
@@ -100,6 +150,7 @@ class TPPlan:
     first_block: str | None = None
     last_block: str | None = None
     fused: dict[str, list[int]] = field(default_factory=dict)
+    out_dims: dict[str, int] = field(default_factory=dict)
 
     @property
     def split(self) -> list[TPLayer]:
@@ -134,7 +185,9 @@ class TPPlan:
             for name in ("weight", "bias"):
                 key = f"{prefix}{path}.{name}"
                 if key in out:
-                    out[key] = out[key][fused_permutation(sections, self.tp_size)]
+                    dim = self.out_dims.get(path, 0) if name == "weight" else 0
+                    perm = fused_permutation(sections, self.tp_size)
+                    out[key] = out[key].index_select(dim, perm.to(out[key].device))
         return out
 
 

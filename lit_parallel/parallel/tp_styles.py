@@ -1,16 +1,18 @@
-"""The ``ParallelStyle`` each plan entry becomes, including the two torch does not provide.
+"""The ``ParallelStyle`` each plan entry becomes, including those torch does not provide.
 
 ``FusedColwiseParallel`` splits a Linear whose output is several projections (fused q/k/v, gate/up)
-chunk by chunk; ``SequenceParallelNorm`` runs a norm on this rank's part of the sequence and gathers its
-output once for the column-parallel layers it feeds. Both subclass torch's styles, which are only
-imported when a style is built (``torch.distributed.tensor`` is not needed to infer or print a plan).
+chunk by chunk; ``TransposedColwiseParallel`` / ``TransposedRowwiseParallel`` split a projection whose
+weight is stored ``(in, out)`` (HF ``Conv1D``: column-parallel shards weight dimension 1, row-parallel
+dimension 0; fused chunks likewise); ``SequenceParallelNorm`` runs a norm on this rank's part of the
+sequence and gathers its output once for the column-parallel layers it feeds. All subclass torch's
+styles, which are only imported when a style is built (``torch.distributed.tensor`` is not needed to
+infer or print a plan).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,100 +24,99 @@ from lit_parallel.parallel.tp_plan import (
     LOSS_PARALLEL_HEAD,
     ROWWISE,
     SEQUENCE_PARALLEL,
-    fused_permutation,
 )
 
 
-def parallel_style(kind: str, *, sections: Sequence[int] | None = None, sequence_parallel: bool = False):
-    """The ``ParallelStyle`` for a plan entry of style ``kind`` (``sections``: a fused layer's chunks)."""
+def parallel_style(
+    kind: str,
+    *,
+    sections: Sequence[int] | None = None,
+    sequence_parallel: bool = False,
+    out_dim: int = 0,
+):
+    """The ``ParallelStyle`` for a plan entry of style ``kind``.
+
+    Args:
+        sections: a fused layer's chunk widths.
+        sequence_parallel: a row-parallel layer's output is sharded over the sequence.
+        out_dim: the weight dimension holding the output features (1: weight stored ``(in, out)``).
+    """
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    fused_cls, sp_norm_cls = _custom_styles()
+    styles = _custom_styles()
+    if out_dim == 1 and kind in (COLWISE, COLWISE_FUSED, ROWWISE):
+        if kind == ROWWISE:
+            return styles.rowwise_t(output_layouts=Shard(1)) if sequence_parallel else styles.rowwise_t()
+        return styles.colwise_t(sections if kind == COLWISE_FUSED else None)
     if kind == COLWISE:
         return ColwiseParallel()
     if kind == COLWISE_FUSED:
-        return fused_cls(sections or [])
+        return styles.fused(sections or [])
     if kind == ROWWISE:
         return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     if kind == SEQUENCE_PARALLEL:
-        return sp_norm_cls()
+        return styles.sp_norm()
     if kind == LOSS_PARALLEL_HEAD:
         return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     raise ValueError(kind)
 
 
+def distribute_params(module: nn.Module, mesh, placements: Mapping[str, Any], src_data_rank) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+def permute_output(module: nn.Module, perm: torch.Tensor, dims: Mapping[str, int]) -> None:
+    """Reorder each parameter's output features (dimension ``dims[name]``) in ``perm`` order."""
+    with torch.no_grad():
+        for name, param in list(module.named_parameters(recurse=False)):
+            param.data = param.data.index_select(dims.get(name, 0), perm.to(param.device))
+
+
 @functools.cache
 def _custom_styles():
-    from torch.distributed.tensor import distribute_module
-    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+    from lit_parallel.parallel import tp_style_classes as c
 
-    class FusedColwiseParallel(ColwiseParallel):
-        """Column-parallel for a Linear whose output is split into chunks (fused q/k/v, gate/up): each
-        chunk is sharded separately, so every rank computes its heads of every chunk.
-
-        The weight's rows are reordered before sharding; ``state_dict()`` / ``load_state_dict()`` convert
-        from and to the original layout (sharded over the input dimension, never gathered whole).
-        """
-
-        def __init__(self, sections: Sequence[int], **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.sections = list(sections)
-
-        def _partition_linear_fn(self, name, module, device_mesh):
-            tp = device_mesh.size()
-            perm = fused_permutation(self.sections, tp)
-            with torch.no_grad():
-                for param in list(module.parameters(recurse=False)):
-                    param.data = param.data[perm.to(param.device)]
-            super()._partition_linear_fn(name, module, device_mesh)
-            _register_layout_hooks(module, perm)
-
-        def __repr__(self) -> str:
-            return f"FusedColwiseParallel(sections={self.sections})"
-
-    class SequenceParallelNorm(SequenceParallel):
-        """A norm on this rank's part of the sequence whose output feeds column-parallel layers only: the
-        output is gathered once (all-gather) and handed on as a replicated DTensor, so in backward those
-        layers' input gradients are reduce-scattered back to the sequence shards."""
-
-        def _apply(self, module, device_mesh):
-            return distribute_module(
-                module,
-                device_mesh,
-                self._replicate_module_fn,
-                partial(self._prepare_input_fn, self.sequence_sharding),
-                _gather_output,
-            )
-
-        def __repr__(self) -> str:
-            return "SequenceParallelNorm()"
-
-    return FusedColwiseParallel, SequenceParallelNorm
+    return _Styles(
+        c.FusedColwiseParallel,
+        c.TransposedColwiseParallel,
+        c.TransposedRowwiseParallel,
+        c.SequenceParallelNorm,
+    )
 
 
-def _gather_output(module, outputs, device_mesh):
+class _Styles:
+    def __init__(self, fused, colwise_t, rowwise_t, sp_norm):
+        self.fused, self.colwise_t, self.rowwise_t, self.sp_norm = fused, colwise_t, rowwise_t, sp_norm
+
+
+def gather_output(module, outputs, device_mesh):
     from torch.distributed.tensor import Replicate
 
     return outputs.redistribute(placements=[Replicate()] * device_mesh.ndim)
 
 
-def _reorder(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``value`` with its rows (dim 0) taken in ``index`` order, a DTensor without gathering it whole."""
+def _reorder(value: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``value`` with dimension ``dim`` taken in ``index`` order, a DTensor without gathering it whole."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(value, DTensor):
-        return value[index.to(value.device)]
+        return value.index_select(dim, index.to(value.device))
     mesh = value.device_mesh
-    # dim 0 must be whole on each rank to reorder it locally: shard dim 1 instead (2-D weight)
-    target = [Shard(1) if value.dim() >= 2 else Replicate()] * mesh.ndim
+    # ``dim`` must be whole on each rank to reorder it locally: shard the other dimension (2-D weight)
+    target = [Shard(1 - dim) if value.dim() >= 2 else Replicate()] * mesh.ndim
     v = value.redistribute(mesh, target)
-    local = v.to_local()[index.to(v.to_local().device)]
+    local = v.to_local().index_select(dim, index.to(v.to_local().device))
     return DTensor.from_local(local, mesh, target, shape=v.shape, stride=v.stride(), run_check=False)
 
 
-def _register_layout_hooks(module: nn.Module, perm: torch.Tensor) -> None:
-    """State dicts of a fused layer keep the original row order; the module holds the permuted one."""
+def register_layout_hooks(module: nn.Module, perm: torch.Tensor, dims: Mapping[str, int]) -> None:
+    """State dicts of a fused layer keep the original order of output features (parameter ``n``'s
+    dimension ``dims.get(n, 0)``); the module holds the permuted one."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     inverse = torch.argsort(perm)
@@ -124,7 +125,7 @@ def _register_layout_hooks(module: nn.Module, perm: torch.Tensor) -> None:
         for n, _ in mod.named_parameters(recurse=False):
             key = prefix + n
             if key in state_dict and isinstance(state_dict[key], torch.Tensor):
-                state_dict[key] = _reorder(state_dict[key].detach(), inverse)
+                state_dict[key] = _reorder(state_dict[key].detach(), inverse, dims.get(n, 0))
 
     def from_original(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         for n, param in mod.named_parameters(recurse=False):
@@ -132,11 +133,12 @@ def _register_layout_hooks(module: nn.Module, perm: torch.Tensor) -> None:
             value = state_dict.get(key)
             if not isinstance(value, torch.Tensor) or value is param:
                 continue
+            dim = dims.get(n, 0)
             if isinstance(value, DTensor):
-                value = _reorder(value, perm).redistribute(param.device_mesh, param.placements)
+                value = _reorder(value, perm, dim).redistribute(param.device_mesh, param.placements)
             elif isinstance(param, DTensor):
                 value = distribute_tensor(
-                    value[perm.to(value.device)].to(param.device),
+                    value.index_select(dim, perm.to(value.device)).to(param.device),
                     param.device_mesh,
                     param.placements,
                     src_data_rank=None,

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from lit_parallel._compat import tree_flatten, tree_map
 from lit_parallel.parallel.example_inputs import call_with, hidden_states, token_ids
+from lit_parallel.parallel.tp_plan import in_features, is_projection
 
 _TRACE_BATCH, _TRACE_SEQ = 2, 5  # a tiny made-up input: (batch, sequence) tokens
 
@@ -194,7 +195,7 @@ def _trace(
     """Run ``drive()`` once and record the data flow between the model's Linears, norms and blocks."""
     flow = Flow()
     named = dict(model.named_modules())
-    linears = {n for n, m in named.items() if isinstance(m, nn.Linear)}
+    linears = {n for n, m in named.items() if is_projection(m)}
     norms = {n for n, m in named.items() if is_norm(m)}
     states = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
     mode = _FlowMode(flow, linears, states)
@@ -249,8 +250,8 @@ def block_width(block: nn.Module) -> int | None:
     for m in block.modules():
         if is_norm(m):
             return int(m.weight.shape[0])
-        if isinstance(m, nn.Linear):
-            return m.in_features
+        if is_projection(m):
+            return in_features(m)
     return None
 
 
@@ -313,6 +314,10 @@ class _LocalShapeError(RuntimeError):
     pass
 
 
+def _local_embedding(n_out: int, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(*x.shape, n_out, dtype=dtype, device=x.device)
+
+
 def simulate(
     block_name: str,
     block: nn.Module,
@@ -344,7 +349,10 @@ def simulate(
         for path, (n_in, n_out) in local.items():
             m = named[path]
             patched.append((m, m.__dict__.get("forward")))
-            m.forward = local_forward(path[len(prefix) :], n_in, n_out)
+            if isinstance(m, nn.Embedding):  # split over its embedding dimension (one value per head)
+                m.forward = partial(_local_embedding, n_out, m.weight.dtype)
+            else:
+                m.forward = local_forward(path[len(prefix) :], n_in, n_out)
         for path, attr, _, new in attrs:
             old_attrs.append((named[path], attr, getattr(named[path], attr)))
             setattr(named[path], attr, new)
@@ -361,7 +369,9 @@ def simulate(
                 m.forward = fwd
         for m, attr, value in old_attrs:
             setattr(m, attr, value)
-    got = [tuple(t.shape) for t in tensors_in(out)]
-    want = [tuple(t.shape) for t in tensors_in(flow.block_out[block_name])]
+    # the stream (first output) must keep its shape; later outputs may be per head (T5's position
+    # bias, attention weights) and so legitimately per rank
+    got = [tuple(t.shape) for t in tensors_in(out)][:1]
+    want = [tuple(t.shape) for t in tensors_in(flow.block_out[block_name])][:1]
     if got != want:
         raise _LocalShapeError(f"the block's output has shape {got} per rank instead of {want}")
