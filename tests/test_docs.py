@@ -34,6 +34,7 @@ GUIDES = [
     "index.md",
     "getting-started.md",
     "choosing-a-strategy.md",
+    "supported-models.md",
     "launching.md",
     "checkpoints.md",
     "troubleshooting.md",
