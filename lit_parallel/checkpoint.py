@@ -25,27 +25,33 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import pickle
-import shutil
-import uuid
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lit_parallel import _compat
-
-_METADATA = ".metadata"
-# Lightning's file inside a sharded checkpoint: loops, callbacks, hyper-parameters, RNG states
-LIGHTNING_META = "meta.pt"
-PARTIAL_PREFIX = ".lit_parallel_partial_"
+from lit_parallel.checkpoint_writes import (  # noqa: F401  (re-exported: the writing half of this module)
+    _METADATA,
+    LIGHTNING_META,
+    PARTIAL_PREFIX,
+    CheckpointWriteError,
+    ForeignDestinationError,
+    atomic_save,
+    check_replaceable,
+    commit,
+    new_partial_path,
+)
 
 
 class IncompleteCheckpointError(ValueError):
     """A checkpoint lacks a file or holds a truncated one (an interrupted save); the message names what."""
+
+
+class NotACheckpointError(ValueError):
+    """A path holds something that is not a checkpoint at all (random bytes, a text file)."""
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -171,13 +177,33 @@ def partial_saves_near(path: str | Path) -> list[Path]:
     return sorted(p for p in parent.iterdir() if p.name.startswith(PARTIAL_PREFIX))
 
 
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _raise_for_bad_file(path: Path, size: int) -> None:
+    """A file without a zip index: a torch.save archive cut short, or not a checkpoint at all."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if size == 0 or head.startswith(_ZIP_MAGIC):
+        raise IncompleteCheckpointError(
+            f"checkpoint file {str(path)!r} ({size} bytes) is truncated or not a torch.save archive"
+            " (its zip index is missing: the save that wrote it did not finish)"
+        )
+    raise NotACheckpointError(
+        f"{str(path)!r} ({size} bytes) is not a checkpoint (not a torch.save zip file: it starts with"
+        f" {head!r}, where a torch.save archive starts with {_ZIP_MAGIC!r}); pass the path of a checkpoint"
+        " file or of a sharded checkpoint folder"
+    )
+
+
 def verify_checkpoint(path: str | Path, *, lightning: bool = True) -> str:
     """Check that ``path`` is a complete checkpoint; return ``"sharded"`` or ``"file"``.
 
     Raises :class:`IncompleteCheckpointError` naming every missing or truncated file (a sharded folder needs
     DCP's ``.metadata`` and every shard file the index lists, each at least as long as the data it must
     hold, plus Lightning's ``meta.pt`` when ``lightning``; a single file must be a complete ``torch.save``
-    archive) and ``FileNotFoundError`` when nothing is at ``path``.
+    archive), :class:`NotACheckpointError` for a file that is no ``torch.save`` archive at all (random
+    bytes, a text file) and ``FileNotFoundError`` when nothing is at ``path``.
     """
     path = Path(path)
     if not path.exists():
@@ -192,10 +218,7 @@ def verify_checkpoint(path: str | Path, *, lightning: bool = True) -> str:
     if path.is_file():
         size = path.stat().st_size
         if not zipfile.is_zipfile(path):
-            raise IncompleteCheckpointError(
-                f"checkpoint file {str(path)!r} ({size} bytes) is truncated or not a torch.save archive"
-                " (its zip index is missing: the save that wrote it did not finish)"
-            )
+            _raise_for_bad_file(path, size)
         return "file"
     missing: list[str] = []
     if lightning and not (path / LIGHTNING_META).is_file():
@@ -225,65 +248,6 @@ def verify_checkpoint(path: str | Path, *, lightning: bool = True) -> str:
             f"sharded checkpoint {str(path)!r} is incomplete: missing " + "; ".join(missing)
         )
     return "sharded"
-
-
-# --- writing under a temporary name -----------------------------------------------------------------------
-
-
-def new_partial_path(destination: str | Path, token: str | None = None) -> Path:
-    """Where a save to ``destination`` writes before it is complete: a hidden sibling whose name contains
-    neither the destination's name nor its digits (Lightning numbers ``hpc_ckpt_N`` by listing the folder)."""
-    token = token or uuid.uuid4().hex[:12]
-    # the suffix gives torch.save's zip writer an archive name (it is the file name without its extension)
-    return Path(destination).parent / f"{PARTIAL_PREFIX}{token}.tmp"
-
-
-def check_replaceable(destination: str | Path) -> None:
-    """Refuse to save over a folder that is not a checkpoint (saving replaces what is at the destination)."""
-    destination = Path(destination)
-    if destination.is_dir() and any(destination.iterdir()):
-        if not ((destination / LIGHTNING_META).is_file() or (destination / _METADATA).is_file()):
-            raise IsADirectoryError(
-                f"cannot save a checkpoint to {str(destination)!r}: it is a folder that is not a checkpoint"
-                " (saving replaces the destination); choose a new path"
-            )
-
-
-def commit(partial: str | Path, destination: str | Path) -> None:
-    """Move a completely written ``partial`` (file or folder) to ``destination``, replacing what is there.
-
-    A file replaces a file atomically (``os.replace``). A folder cannot atomically replace a folder: the old
-    one is first renamed aside, so at every moment ``destination`` is either the old complete checkpoint,
-    absent, or the new complete one, never a mix.
-    """
-    partial, destination = Path(partial), Path(destination)
-    if partial.is_file() and not destination.is_dir():
-        os.replace(partial, destination)
-        return
-    old = None
-    if destination.exists():
-        old = new_partial_path(destination)
-        os.replace(destination, old)
-    os.replace(partial, destination)
-    if old is not None:
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-
-
-def atomic_save(write: Callable[[Path], None], destination: str | Path) -> None:
-    """Call ``write(tmp_path)`` then rename the result to ``destination`` (see :func:`commit`)."""
-    destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    partial = new_partial_path(destination)
-    try:
-        write(partial)
-    except BaseException:
-        if partial.is_file():
-            partial.unlink(missing_ok=True)
-        raise
-    commit(partial, destination)
 
 
 def load_sharded(checkpoint_dir: str | Path, keys: set[str] | None = None) -> dict:
@@ -317,6 +281,7 @@ def consolidate(
     *,
     key: str = "state_dict",
     strip_prefix: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Convert a sharded checkpoint into one full ``state_dict`` file (``torch.save``, plain tensors).
 
@@ -326,9 +291,12 @@ def consolidate(
         key: the entry holding the model weights (Lightning: ``"state_dict"``); ``""`` takes every tensor.
         strip_prefix: keep only keys starting with it, without it (``"model."`` turns LightningModule keys
             into those of the ``nn.Module`` stored as ``self.model``).
+        overwrite: replace an existing file at ``output`` (never a folder); without it an existing
+            ``output`` is refused. ``output`` may never be ``checkpoint_dir`` or inside it.
 
     Returns the state dict written.
     """
+    check_output(checkpoint_dir, output, overwrite=overwrite)
     raw = load_sharded(checkpoint_dir, keys={key} if key else None)
     if key:
         if key not in raw:
@@ -342,11 +310,34 @@ def consolidate(
             raise ValueError(f"no key starts with strip_prefix={strip_prefix!r}; keys look like: {sample}")
         state = kept
     state = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    atomic_save(lambda tmp: torch.save(state, tmp), output)
+    atomic_save(lambda tmp: torch.save(state, tmp), output, overwrite=overwrite)
     return state
 
 
-def consolidate_checkpoint(checkpoint_dir: str | Path, output: str | Path) -> dict[str, Any]:
+def check_output(checkpoint_dir: str | Path, output: str | Path, *, overwrite: bool = False) -> None:
+    """Refuse a conversion's ``output`` that is ``checkpoint_dir`` or inside it, a folder, or an existing
+    file without ``overwrite``: converting never destroys its source or anything it did not write."""
+    source, out = Path(checkpoint_dir), Path(output)
+    if source.exists() and (out.resolve() == source.resolve() or source.resolve() in out.resolve().parents):
+        raise ValueError(
+            f"the output {str(out)!r} is the checkpoint {str(source)!r} itself or inside it: writing there would"
+            " destroy the checkpoint being converted; choose a path outside it"
+        )
+    if out.is_dir() and not out.is_symlink():
+        raise ForeignDestinationError(
+            f"the output {str(out)!r} is an existing folder: a conversion writes one file and never replaces a"
+            f" folder (even with --overwrite); choose a file path, e.g. {str(out / 'model.pt')!r}"
+        )
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise ForeignDestinationError(
+            f"the output {str(out)!r} already exists ({out.stat().st_size if out.exists() else 0} bytes);"
+            " pass --overwrite (overwrite=True) to replace it, or choose another path"
+        )
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: str | Path, output: str | Path, *, overwrite: bool = False
+) -> dict[str, Any]:
     """Convert a sharded *Lightning* checkpoint into one full Lightning checkpoint file.
 
     The file holds the full weights (``state_dict``), every optimizer's state keyed by parameter index as
@@ -357,9 +348,10 @@ def consolidate_checkpoint(checkpoint_dir: str | Path, output: str | Path) -> di
     state. The optimizer's parameter order must be the LightningModule's (``configure_optimizers`` built
     from ``self.parameters()``), as for any optimizer state dict.
 
-    Returns the checkpoint written.
+    ``output`` rules as :func:`consolidate` (``overwrite``). Returns the checkpoint written.
     """
     checkpoint_dir = Path(checkpoint_dir)
+    check_output(checkpoint_dir, output, overwrite=overwrite)
     verify_checkpoint(checkpoint_dir)
     raw = load_sharded(checkpoint_dir)
     checkpoint: dict[str, Any] = torch.load(
@@ -368,7 +360,7 @@ def consolidate_checkpoint(checkpoint_dir: str | Path, output: str | Path) -> di
     checkpoint["state_dict"] = {k: v.detach().contiguous().clone() for k, v in raw.pop("state_dict").items()}
     optimizers = sorted((k for k in raw if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_optimizer_state_by_index(raw[k]) for k in optimizers]
-    atomic_save(lambda tmp: torch.save(checkpoint, tmp), output)
+    atomic_save(lambda tmp: torch.save(checkpoint, tmp), output, overwrite=overwrite)
     return checkpoint
 
 
@@ -413,11 +405,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a full Lightning checkpoint (weights, optimizer state, loops, RNG states) to resume from with"
         " ckpt_path= under ddp_tuned or on one device",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing output file (never a folder; the output may not be inside the checkpoint)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "lightning", False):
-        checkpoint = consolidate_checkpoint(args.checkpoint, args.output)
+        checkpoint = consolidate_checkpoint(
+            args.checkpoint, args.output, overwrite=getattr(args, "overwrite", False)
+        )
         state = checkpoint["state_dict"]
         print(
             f"wrote {args.output}: a full Lightning checkpoint, {len(state)} tensors,"
@@ -425,7 +424,13 @@ def run(args: argparse.Namespace) -> int:
             f" step {checkpoint.get('global_step')}"
         )
         return 0
-    state = consolidate(args.checkpoint, args.output, key=args.key, strip_prefix=args.strip_prefix)
+    state = consolidate(
+        args.checkpoint,
+        args.output,
+        key=args.key,
+        strip_prefix=args.strip_prefix,
+        overwrite=getattr(args, "overwrite", False),
+    )
     numel = sum(v.numel() for v in state.values())
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     print(f"wrote {args.output}: {len(state)} tensors, {numel:,} elements, {nbytes / 2**20:.2f} MiB")

@@ -30,6 +30,7 @@ from lit_parallel.checkpoint import (
     new_partial_path,
     verify_checkpoint,
 )
+from lit_parallel.checkpoint_writes import is_write_failure, write_error
 from lit_parallel.reliability.options import RNG_KEY
 from lit_parallel.rng import capture_rng_state
 
@@ -62,7 +63,6 @@ class ReliableCheckpointIO(CheckpointIO):
         if _is_remote(path):
             return self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
         self._reliability.progress.saving(path)
-        check_replaceable(path)
         atomic_save(
             lambda tmp: self.inner.save_checkpoint(checkpoint, tmp, storage_options=storage_options), path
         )
@@ -133,8 +133,9 @@ def save_sharded_checkpoint(
         )
     path = Path(strategy.broadcast(str(filepath)))
     strategy.reliability.progress.saving(path)
-    check_replaceable(path)
-    if not _compat.saves_distributed_checkpoint(strategy):
+    sharded = _compat.saves_distributed_checkpoint(strategy)
+    check_replaceable(path, "sharded" if sharded else "file")
+    if not sharded:
         if strategy.is_global_zero:
             strategy.checkpoint_io.save_checkpoint(checkpoint, path)
         return None
@@ -150,10 +151,13 @@ def save_sharded_checkpoint(
             torch.save(checkpoint, partial / LIGHTNING_META)
         _compat.distributed_checkpoint_save(converted, partial)
         strategy.barrier()
-    except BaseException:
+    except BaseException as err:
+        translated = write_error(err, path) if is_write_failure(err) else None
         if strategy.is_global_zero:
             shutil.rmtree(partial, ignore_errors=True)
-        raise
+        if translated is None:
+            raise
+        raise translated from err
     if strategy.is_global_zero:
         commit(partial, path)
     strategy.barrier()
