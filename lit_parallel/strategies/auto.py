@@ -37,6 +37,7 @@ from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.strategies.arguments import check_common, unknown_argument
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
@@ -78,7 +79,7 @@ class AutoStrategy(DDPStrategy):
             the machine's RAM divided by the processes per node. Pass less than the total to keep headroom.
         strategy_kwargs: arguments for the chosen strategy, by registry name, e.g.
             ``{"fsdp_blocks": {"activation_checkpointing": True}, "ddp_tuned": {"comm_hook": "fp16"}}``.
-            Checked against each strategy's signature when this strategy is built.
+            Checked when this strategy is built, by building each named strategy once (no process group).
         process_group_backend, timeout, debug_level, watchdog, preemption_signal: as in every candidate
             strategy (process group backend and timeout, collective checks, ending every rank when one
             fails, the preemption signal), passed to the chosen one.
@@ -118,14 +119,8 @@ class AutoStrategy(DDPStrategy):
                         f"strategy_kwargs[{name!r}] sets {reserved!r}; pass it to AutoStrategy({reserved}=...)"
                         " so every candidate gets it"
                     )
-            try:
-                inspect.signature(CANDIDATES[name]).bind(**kwargs)
-            except TypeError as err:
-                params = [p for p in inspect.signature(CANDIDATES[name]).parameters if p != "kwargs"]
-                raise ValueError(
-                    f"strategy_kwargs[{name!r}]={kwargs!r} does not fit {CANDIDATES[name].__name__}: {err};"
-                    f" its arguments are {', '.join(params)}"
-                ) from None
+            _check_candidate_kwargs(name, kwargs)
+        check_common(process_group_backend=process_group_backend, timeout=timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.reliability = Reliability.from_arguments(
             debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
@@ -257,3 +252,19 @@ def _measurable(model: torch.nn.Module) -> torch.nn.Module:
     with torch.device("meta"):
         probe.configure_model()
     return probe
+
+
+def _check_candidate_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    """``strategy_kwargs[name]``, checked as the candidate checks its own arguments: a trial construction
+    (no process group; every candidate checks each argument when it is built)."""
+    cls = CANDIDATES[name]
+    params = inspect.signature(cls).parameters
+    # a candidate that takes **kwargs (ddp_tuned, hsdp) checks those names itself when it is built
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    try:
+        for key, value in kwargs.items():
+            if key not in params and not open_ended:
+                raise unknown_argument(cls.__name__, key, value, params)
+        cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"strategy_kwargs[{name!r}]={kwargs!r} does not fit {cls.__name__}: {err}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ from lit_parallel.parallel.buckets import (
 )
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.strategies.arguments import START_METHODS, check_bool, check_common, check_ddp_kwargs
 
 _UNUSED_FIX = (
     "TunedDDPStrategy's first training step (its probe) used every parameter, so DDP runs with"
@@ -89,7 +91,13 @@ class TunedDDPStrategy(DDPStrategy):
         watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
-        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel``.
+        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``init_sync``,
+            ``skip_all_reduce_unused_params``) or to Lightning's ``DDPStrategy`` (``ddp_comm_hook``,
+            ``ddp_comm_state``, ``ddp_comm_wrapper``, ``model_averaging_period``). Checked when the strategy is
+            built: an unknown name is refused with the closest valid one; the DDP arguments the strategy sets
+            itself (``module``, ``device_ids``, ``output_device``, ``process_group``, ``device_mesh``,
+            ``bucket_cap_mb_list``) are refused with the reason (``bucket_cap_mb_list=None``, which
+            LightningCLI may pass, is ignored).
 
     Checkpoints hold every rank's RNG states (resume is bitwise exact, dropout included), are written under a
     temporary name and renamed when complete, and load with ``weights_only=True``; see
@@ -135,7 +143,11 @@ class TunedDDPStrategy(DDPStrategy):
             forward_sync_buffers=forward_sync_buffers,
             broadcast_buffers=broadcast_buffers,
             ddp_kwargs=kwargs,
+            process=dict(
+                process_group_backend=process_group_backend, timeout=timeout, start_method=start_method
+            ),
         )
+        check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -156,6 +168,13 @@ class TunedDDPStrategy(DDPStrategy):
         self._powersgd_warmup_steps = powersgd_warmup_steps
         self._compile = compile
         self._forward_sync_buffers = forward_sync_buffers
+        self.reliability = Reliability.from_arguments(
+            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+        )
+        self._init_decisions()
+
+    def _init_decisions(self) -> None:
+        """What the strategy measures and decides during a run (kept afterwards for inspection)."""
         self._probing = False
         self._wrap_next_batch: bool | None = None
         self._compiled_children: list[torch.nn.Module] = []
@@ -163,9 +182,6 @@ class TunedDDPStrategy(DDPStrategy):
         self.bucket_plan: BucketPlan | None = None
         self.unused_parameters: list[str] | None = None
         self.comm_hook_state: Any = None
-        self.reliability = Reliability.from_arguments(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
-        )
 
     def _validate_before_launch(self, trainer: Any, model: Any) -> None:
         # Impossible combinations are refused before any process group exists, and under Lightning's
@@ -391,9 +407,11 @@ def _check_arguments(
     forward_sync_buffers: bool | None,
     broadcast_buffers: bool | None,
     ddp_kwargs: dict[str, Any],
+    process: dict[str, Any],
 ) -> bool | None:
     """TunedDDPStrategy's arguments, checked when it is built; returns ``forward_sync_buffers`` (the
-    deprecated ``broadcast_buffers`` mapped onto it)."""
+    deprecated ``broadcast_buffers`` mapped onto it). ``process``: backend, timeout, start method.
+    ``ddp_kwargs`` loses ``bucket_cap_mb_list=None`` (LightningCLI passes DDPStrategy's defaults)."""
     _validate_bucket_cap(bucket_cap_mb)
     if find_unused_parameters not in ("auto", True, False):
         raise ValueError(f"find_unused_parameters={find_unused_parameters!r} must be 'auto', True or False")
@@ -418,8 +436,14 @@ def _check_arguments(
             f" use forward_sync_buffers={broadcast_buffers}"
         )
         forward_sync_buffers = broadcast_buffers
-    if "bucket_cap_mb_list" in ddp_kwargs:
-        raise ValueError("pass per-bucket sizes as bucket_cap_mb=[first, rest, ...] (MiB)")
+    check_common(process_group_backend=process["process_group_backend"], timeout=process["timeout"])
+    if process["start_method"] not in START_METHODS:
+        raise ValueError(
+            f"start_method={process['start_method']!r} must be one of {', '.join(map(repr, START_METHODS))}"
+            " ('popen' runs the script again per rank; the others start processes from this one)"
+        )
+    own = inspect.signature(TunedDDPStrategy.__init__).parameters
+    check_ddp_kwargs("TunedDDPStrategy", ddp_kwargs, own_names=own)
     return forward_sync_buffers
 
 

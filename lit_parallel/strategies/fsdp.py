@@ -39,6 +39,7 @@ from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
+from lit_parallel.strategies.arguments import check_bool, check_common, check_optional_path
 from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
 
 if TYPE_CHECKING:
@@ -127,23 +128,17 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
     ) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        if not (isinstance(block_types, str) or callable(block_types) or isinstance(block_types, Iterable)):
-            raise ValueError(
-                f"block_types={block_types!r} must be 'auto', a set of classes or class names, or a predicate"
-            )
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"reshard_after_forward={reshard_after_forward!r} must be True (ZeRO-3) or False (ZeRO-2)"
-            )
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-            raise ValueError(
-                f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy or"
-                " None (then Trainer(precision=...) decides)"
-            )
-        if not isinstance(compile, (bool, Mapping)):
-            raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile arguments")
+        _check_arguments(
+            block_types=block_types,
+            reshard_after_forward=reshard_after_forward,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            cpu_offload=cpu_offload,
+            init_from=init_from,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+        )
+        check_common(process_group_backend=process_group_backend, timeout=timeout)
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
@@ -364,3 +359,41 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
             cls,
             description="FSDP2 per transformer block (blocks found automatically), ZeRO-2/3, mixed precision",
         )
+
+
+def _check_arguments(
+    *,
+    block_types: Any,
+    reshard_after_forward: Any,
+    mixed_precision: Any,
+    activation_checkpointing: Any,
+    compile: Any,
+    cpu_offload: Any,
+    init_from: Any,
+    save_distributed_checkpoint: Any,
+) -> None:
+    """TransformerFSDPStrategy's own arguments, checked when it is built."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not (isinstance(block_types, str) or callable(block_types) or isinstance(block_types, Iterable)):
+        raise ValueError(
+            f"block_types={block_types!r} must be 'auto', a set of classes or class names, or a predicate"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward!r} must be True (ZeRO-3) or False (ZeRO-2)"
+        )
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy or"
+            " None (then Trainer(precision=...) decides)"
+        )
+    if not isinstance(compile, (bool, Mapping)):
+        raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile arguments")
+    for name, flag in (
+        ("activation_checkpointing", activation_checkpointing),
+        ("cpu_offload", cpu_offload),
+        ("save_distributed_checkpoint", save_distributed_checkpoint),
+    ):
+        check_bool(name, flag)
+    check_optional_path("init_from", init_from)

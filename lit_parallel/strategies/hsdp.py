@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 from typing_extensions import override
 
 from lit_parallel.parallel.mesh import ParallelDims
+from lit_parallel.strategies.arguments import unknown_argument
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 
 
@@ -31,6 +33,10 @@ class HybridShardStrategy(TransformerFSDPStrategy):
             raise ValueError(
                 f"shard_size={shard_size!r} must be 'auto' (devices per node) or a positive integer"
             )
+        own = inspect.signature(TransformerFSDPStrategy.__init__).parameters
+        for name, value in kwargs.items():
+            if name not in own or name == "self":
+                raise unknown_argument(type(self).__name__, name, value, [*own, "shard_size"][1:])
         super().__init__(**kwargs)
         self._shard_size = shard_size
 
