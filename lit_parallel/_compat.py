@@ -5,17 +5,12 @@ was checked with, and the public alternative where one exists (none of them does
 entry would not be here). ``tests/test_compat.py`` resolves every entry, so an upgrade that moves or
 removes one fails in that test, naming the entry, instead of somewhere in a training run.
 
-Three kinds of entry:
-
-* a name this module hands out (``from lit_parallel._compat import tree_flatten``): resolved on first
-  use, so importing this module imports neither Lightning nor the heavier torch submodules
-  (``lit_parallel.parallel`` imports this module and must not import Lightning);
-* an accessor function for a private attribute or method of a torch / Lightning object
-  (:func:`attached_trainer`, :func:`flatten_mesh`, ...): the entry names the class and the attribute;
-* a check only (names with a ``.``, e.g. ``"DDPStrategy._ddp_kwargs"``): protected state and hooks of
-  the torch / Lightning classes that our subclasses extend (``self._ddp_kwargs``,
-  ``super()._configure_launcher()``). Code must reach those through ``self``/``super()``, so they are
-  not handed out here, only checked.
+Three kinds of entry: a name handed out (``from lit_parallel._compat import tree_flatten``), resolved on
+first use so that importing this module imports neither Lightning nor heavy torch submodules
+(``lit_parallel.parallel`` imports it); an accessor function for a private attribute or method of a
+torch / Lightning object (:func:`attached_trainer`, :func:`flatten_mesh`, ...); a check only (names with
+a ``.``, e.g. ``"DDPStrategy._ddp_kwargs"``): protected state and hooks of the classes our subclasses
+extend, reached through ``self``/``super()`` and therefore only checked here.
 """
 
 from __future__ import annotations
