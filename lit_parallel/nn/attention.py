@@ -83,36 +83,14 @@ class SplittableMultiheadAttention(nn.Module):
                 f"nn.MultiheadAttention with {flag}=True cannot be converted to SplittableMultiheadAttention"
                 " (the extra key/value it appends would have to be split per head too); it stays as it is"
             )
-        weight = mha.out_proj.weight
-        new = cls(
-            mha.embed_dim,
-            mha.num_heads,
-            dropout=mha.dropout,
-            bias=mha.out_proj.bias is not None,
-            kdim=mha.kdim,
-            vdim=mha.vdim,
-            batch_first=mha.batch_first,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
+        new = cls(mha.embed_dim, mha.num_heads, **_same_configuration(mha))
         new.load_state_dict(mha.state_dict())
         new.train(mha.training)
         return new
 
     def to_multihead_attention(self) -> nn.MultiheadAttention:
         """The equivalent ``nn.MultiheadAttention`` (exact weight copies; the module must not be split)."""
-        w = self.out_proj.weight
-        mha = nn.MultiheadAttention(
-            self.embed_dim,
-            self.num_heads,
-            dropout=self.dropout,
-            bias=self.out_proj.bias is not None,
-            kdim=self.kdim,
-            vdim=self.vdim,
-            batch_first=self.batch_first,
-            device=w.device,
-            dtype=w.dtype,
-        )
+        mha = nn.MultiheadAttention(self.embed_dim, self.num_heads, **_same_configuration(self))
         with torch.no_grad():
             projections = (self.q_proj, self.k_proj, self.v_proj)
             if mha._qkv_same_embed_dim:
@@ -241,3 +219,17 @@ def _split_packed_keys(module, state_dict, prefix, local_metadata, strict, missi
     if bias is not None:
         for name, part in zip(names, bias.chunk(3)):
             state_dict[f"{prefix}{name}.bias"] = part
+
+
+def _same_configuration(attention: nn.Module) -> dict:
+    """Constructor arguments (besides sizes) that rebuild ``attention`` as either attention class."""
+    weight = attention.out_proj.weight
+    return {
+        "dropout": attention.dropout,
+        "bias": attention.out_proj.bias is not None,
+        "kdim": attention.kdim,
+        "vdim": attention.vdim,
+        "batch_first": attention.batch_first,
+        "device": weight.device,
+        "dtype": weight.dtype,
+    }

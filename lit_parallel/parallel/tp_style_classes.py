@@ -41,7 +41,21 @@ class FusedColwiseParallel(ColwiseParallel):
         return f"FusedColwiseParallel(sections={self.sections})"
 
 
-class TransposedColwiseParallel(ColwiseParallel):
+class _OwnPartition:
+    """``_apply`` with the style's own ``_partition_fn`` (torch's styles choose theirs by module type, and
+    know only ``nn.Linear`` / ``nn.Embedding``)."""
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class TransposedColwiseParallel(_OwnPartition, ColwiseParallel):
     """Column-parallel for a projection whose weight is stored ``(in, out)`` (HF ``Conv1D``): weight
     sharded on dimension 1, bias on 0. With ``sections`` (packed q/k/v) each chunk is sharded
     separately, as :class:`FusedColwiseParallel` does; state dicts keep the original layout."""
@@ -60,20 +74,11 @@ class TransposedColwiseParallel(ColwiseParallel):
         if perm is not None:
             register_layout_hooks(module, perm, dims)
 
-    def _apply(self, module, device_mesh):
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
     def __repr__(self) -> str:
         return f"TransposedColwiseParallel(sections={self.sections})"
 
 
-class TransposedRowwiseParallel(RowwiseParallel):
+class TransposedRowwiseParallel(_OwnPartition, RowwiseParallel):
     """Row-parallel for a projection whose weight is stored ``(in, out)`` (HF ``Conv1D``): weight
     sharded on dimension 0, bias replicated."""
 
@@ -82,14 +87,8 @@ class TransposedRowwiseParallel(RowwiseParallel):
         distribute_params(module, device_mesh, placements, self.src_data_rank)
 
     def _apply(self, module, device_mesh):
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        self.desired_input_layouts = (Shard(-1),)  # the input arrives split over the features
+        return super()._apply(module, device_mesh)
 
     def __repr__(self) -> str:
         return "TransposedRowwiseParallel()"
