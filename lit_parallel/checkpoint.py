@@ -350,8 +350,17 @@ def consolidate_checkpoint(
 
     ``output`` rules as :func:`consolidate` (``overwrite``). Returns the checkpoint written.
     """
-    checkpoint_dir = Path(checkpoint_dir)
     check_output(checkpoint_dir, output, overwrite=overwrite)
+    checkpoint = full_checkpoint(checkpoint_dir)
+    atomic_save(lambda tmp: torch.save(checkpoint, tmp), output, overwrite=overwrite)
+    return checkpoint
+
+
+def full_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """A sharded *Lightning* checkpoint read into one process as the full Lightning checkpoint
+    :func:`consolidate_checkpoint` writes (no process group needed). Strategies that hold whole models
+    (``ddp_tuned``) load sharded checkpoints through it."""
+    checkpoint_dir = Path(checkpoint_dir)
     verify_checkpoint(checkpoint_dir)
     raw = load_sharded(checkpoint_dir)
     checkpoint: dict[str, Any] = torch.load(
@@ -360,7 +369,6 @@ def consolidate_checkpoint(
     checkpoint["state_dict"] = {k: v.detach().contiguous().clone() for k, v in raw.pop("state_dict").items()}
     optimizers = sorted((k for k in raw if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_optimizer_state_by_index(raw[k]) for k in optimizers]
-    atomic_save(lambda tmp: torch.save(checkpoint, tmp), output, overwrite=overwrite)
     return checkpoint
 
 

@@ -175,6 +175,37 @@ def test_hsdp_typo_names_the_closest_argument():
         HybridShardStrategy(cpu_ofload=True)
 
 
+@pytest.mark.parametrize(
+    "cls, typo, meant",
+    [
+        (TransformerFSDPStrategy, "reshard_after_forwad", "reshard_after_forward"),
+        (TensorParallelStrategy, "tensor_paralel_size", "tensor_parallel_size"),
+        (TensorParallelStrategy, "reshard_after_forwad", "reshard_after_forward"),
+        (HybridShardStrategy, "reshard_after_forwad", "reshard_after_forward"),
+        (AutoStrategy, "memory_gbs", "memory_gb"),
+    ],
+)
+def test_typo_passed_to_a_strategy_without_kwargs_names_the_closest_argument(cls, typo, meant):
+    with pytest.raises(ValueError) as err:
+        cls(**{typo: True})
+    message = str(err.value)
+    assert message.startswith(
+        f"{cls.__name__}({typo}=True): unknown argument {typo!r}; did you mean {meant!r}?"
+    )
+    assert "Valid names: " in message and "self" not in message.split("Valid names: ")[1]
+
+
+def test_checked_argument_names_keeps_the_signature_that_lightning_cli_reads():
+    import inspect
+
+    for cls in (TransformerFSDPStrategy, TensorParallelStrategy, AutoStrategy):
+        params = inspect.signature(cls).parameters
+        assert "kwargs" not in params and "timeout" in params, cls
+    assert "reshard_after_forward" in inspect.signature(TransformerFSDPStrategy).parameters
+    # positional arguments still reach the constructor unchanged
+    assert TransformerFSDPStrategy("auto", False)._reshard_after_forward is False
+
+
 def test_auto_strategy_checks_candidate_arguments_by_building_them():
     with pytest.raises(ValueError, match="did you mean 'find_unused_parameters'"):
         AutoStrategy(strategy_kwargs={"ddp_tuned": {"find_unused_parameter": True}})

@@ -27,6 +27,7 @@ from lit_parallel.checkpoint import (
     check_replaceable,
     commit,
     dcp_load,
+    full_checkpoint,
     new_partial_path,
     verify_checkpoint,
 )
@@ -40,8 +41,37 @@ if TYPE_CHECKING:
     from lit_parallel.reliability.core import Reliability
 
 
+# tp_dp records the layout of its optimizer state when fused layers reorder its rows
+TP_LAYOUT_KEY = "tp_dp_layout"
+
+
 def _is_remote(path: Any) -> bool:
     return "://" in str(path)
+
+
+def check_tensor_parallel_layout(meta: Any, path: Any, tensor_parallel_size: int) -> None:
+    """Refuse a checkpoint whose optimizer state is in another tensor-parallel size's row order.
+
+    ``tp_dp`` saves weights in their original layout, but the optimizer state of fused layers (one Linear
+    holding q, k and v) keeps the row order of the tensor-parallel size it ran with; under any other size
+    (``1``: ``ddp_tuned``, ``fsdp_blocks``, ``hsdp``) that state would be applied to the wrong rows.
+    """
+    layout = meta.get(TP_LAYOUT_KEY) if isinstance(meta, dict) else None
+    if not layout or layout["tensor_parallel_size"] == tensor_parallel_size:
+        return
+    under = f"tensor_parallel_size={tensor_parallel_size}" + (
+        ""
+        if tensor_parallel_size > 1
+        else " (ddp_tuned, fsdp_blocks and hsdp run without tensor parallelism)"
+    )
+    raise ValueError(
+        f"checkpoint {str(path)!r} was saved by tp_dp with tensor_parallel_size={layout['tensor_parallel_size']};"
+        f" the optimizer state of its fused layers ({', '.join(layout['fused'])}) is stored in that size's row"
+        f" order, so it cannot be resumed with {under}. Resume with"
+        f" TensorParallelStrategy(tensor_parallel_size={layout['tensor_parallel_size']}), or start from its"
+        " weights only: `lit-parallel consolidate CHECKPOINT weights.pt` and pass the file as init_from=..."
+        " (fsdp_blocks / hsdp / tp_dp) or load it in configure_model"
+    )
 
 
 class ReliableCheckpointIO(CheckpointIO):
@@ -75,10 +105,18 @@ class ReliableCheckpointIO(CheckpointIO):
         self._reliability.progress.at(f"restoring the checkpoint {str(path)!r}")
         if not _is_remote(path):
             path = Path(self._broadcast(str(path)))
-            verify_checkpoint(path)
+            if verify_checkpoint(path) == "sharded":
+                # saved by fsdp_blocks / hsdp / tp_dp / ModelParallelStrategy on any number of ranks: every
+                # rank reads the whole model (this strategy holds it whole), as `lit-parallel consolidate
+                # --lightning` would write it
+                checkpoint = full_checkpoint(path)
+                check_tensor_parallel_layout(checkpoint, path, tensor_parallel_size=1)
+                return checkpoint
         kwargs: dict[str, Any] = {} if map_location is None else {"map_location": map_location}
         # never unpickle code from a checkpoint unless asked to
-        return self.inner.load_checkpoint(path, weights_only=weights_only is not False, **kwargs)
+        checkpoint = self.inner.load_checkpoint(path, weights_only=weights_only is not False, **kwargs)
+        check_tensor_parallel_layout(checkpoint, path, tensor_parallel_size=1)
+        return checkpoint
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -180,8 +218,18 @@ def load_sharded_checkpoint(
         path = Path(strategy.broadcast(str(path)))
         kind = verify_checkpoint(path)
     if kind == "sharded":
-        return _load_sharded(strategy, Path(path))
-    return lightning_load(path, weights_only=weights_only is not False)
+        meta = _load_sharded(strategy, Path(path))
+    else:
+        meta = lightning_load(path, weights_only=weights_only is not False)
+    check_tensor_parallel_layout(meta, path, _tensor_parallel_size(strategy))
+    return meta
+
+
+def _tensor_parallel_size(strategy: Any) -> int:
+    try:
+        return int(strategy.parallel_dims.tensor_parallel)
+    except (AttributeError, RuntimeError):  # Lightning's ModelParallelStrategy; not configured yet
+        return 1
 
 
 def _load_sharded(strategy: ModelParallelStrategy, path: Path) -> dict[str, Any]:

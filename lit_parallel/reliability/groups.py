@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import gc
 import itertools
+import os
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -59,7 +60,32 @@ def init_process_group(strategy: Any, timeout: timedelta | None) -> None:
     kwargs: dict[str, Any] = {"timeout": rendezvous}
     if strategy.root_device.type != "cpu":
         kwargs["device_id"] = strategy.root_device
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None:
+        kwargs["store"] = _attempt_store(strategy, attempt, rendezvous)
+        kwargs.update(rank=strategy.global_rank, world_size=strategy.world_size)
+        dist.init_process_group(backend, **kwargs)
+        return
     _compat.init_dist_connection(strategy.cluster_environment, backend, **kwargs)
+
+
+def _attempt_store(strategy: Any, attempt: str, timeout: timedelta) -> Any:
+    """Under torchrun: the rendezvous store with a prefix of its own per restart attempt.
+
+    torchrun's agent hosts the store and keeps it across ``--max-restarts`` attempts, keys included. The
+    restarted ranks would rendezvous under the same keys as the killed attempt's (every process group's
+    name starts again from 0), and a rank that reads a key the dead attempt left behind connects to an
+    address nobody listens on (gloo: ``connectFullMesh failed ... Connection refused``). Every group this
+    strategy creates (the default group, the device mesh's sub-groups) lives under the default group's
+    store, so one prefix per attempt separates them all.
+    """
+    env = strategy.cluster_environment
+    os.environ["MASTER_ADDR"] = env.main_address
+    os.environ["MASTER_PORT"] = str(env.main_port)
+    store, _, _ = next(
+        dist.rendezvous("env://", rank=strategy.global_rank, world_size=strategy.world_size, timeout=timeout)
+    )
+    return dist.PrefixStore(f"lit_parallel/attempt_{attempt}/", store)
 
 
 def own_default_group() -> None:

@@ -6,8 +6,9 @@ Each error names the value, the rule and the fix. An unknown argument name names
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,23 @@ def unknown_argument(owner: str, name: str, value: Any, valid: Iterable[str]) ->
     return ValueError(
         f"{owner}({name}={value!r}): unknown argument {name!r}; {hint} Valid names: {', '.join(valid)}"
     )
+
+
+def checked_argument_names(init: Callable[..., None]) -> Callable[..., None]:
+    """Decorates a strategy's ``__init__`` (one without ``**kwargs``): an argument name it does not take is
+    refused with the closest valid name (:func:`unknown_argument`) instead of Python's bare ``TypeError``.
+    The signature stays the same for ``inspect`` (LightningCLI reads it)."""
+    params = inspect.signature(init).parameters
+    valid = [name for name in params if name != "self"]
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name, value in kwargs.items():
+            if name not in valid:
+                raise unknown_argument(type(self).__name__, name, value, valid)
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
 def check_bool(name: str, value: Any) -> None:

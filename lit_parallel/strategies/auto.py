@@ -37,7 +37,7 @@ from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
-from lit_parallel.strategies.arguments import check_common, unknown_argument
+from lit_parallel.strategies.arguments import check_common, checked_argument_names, unknown_argument
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
@@ -90,6 +90,7 @@ class AutoStrategy(DDPStrategy):
 
     strategy_name = "auto_parallel"
 
+    @checked_argument_names
     def __init__(
         self,
         memory_gb: float | None = None,

@@ -39,7 +39,12 @@ from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
-from lit_parallel.strategies.arguments import check_bool, check_common, check_optional_path
+from lit_parallel.strategies.arguments import (
+    check_bool,
+    check_common,
+    check_optional_path,
+    checked_argument_names,
+)
 from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
 
 if TYPE_CHECKING:
@@ -112,6 +117,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
 
     strategy_name = "fsdp_blocks"
 
+    @checked_argument_names
     def __init__(
         self,
         block_types: str | Iterable[type | str] | Callable[[nn.Module], bool] = "auto",

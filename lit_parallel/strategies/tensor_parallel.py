@@ -33,13 +33,13 @@ from lit_parallel.parallel.parallelize import parallelize
 from lit_parallel.parallel.rank_bytes import describe_parameter_bytes
 from lit_parallel.parallel.tensor_parallel import PlanSpec, TPPlan, plan_from_spec
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
+from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY, check_tensor_parallel_layout
+from lit_parallel.strategies.arguments import checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.fsdp import MixedPrecisionPolicy
-
-_LAYOUT_KEY = "tp_dp_layout"
 
 
 class TensorParallelStrategy(TransformerFSDPStrategy):
@@ -81,6 +81,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
 
     strategy_name = "tp_dp"
 
+    @checked_argument_names
     def __init__(
         self,
         data_parallel_size: Size = "auto",
@@ -216,7 +217,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         # Weights are saved in their original layout, but the optimizer state of fused layers keeps the
         # row order of this TP size: record it so that a resume with another TP size is refused.
         if self.tp_plan is not None and self.tp_plan.fused:
-            checkpoint[_LAYOUT_KEY] = {
+            checkpoint[TP_LAYOUT_KEY] = {
                 "tensor_parallel_size": self.tp_plan.tp_size,
                 "fused": sorted(self.tp_plan.fused),
             }
@@ -227,27 +228,22 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        tp = self.parallel_dims.tensor_parallel
         if (path / "meta.pt").is_file():
             try:
                 meta = torch.load(path / "meta.pt", weights_only=weights_only is not False)
             except Exception:  # noqa: BLE001 - Lightning reads it again below and reports its own error
                 meta = {}
-            self._check_layout(meta, path)
-        meta = super().load_checkpoint(path, weights_only)
-        self._check_layout(meta, path)
-        return meta
-
-    def _check_layout(self, meta: Mapping[str, Any], path: Path) -> None:
-        layout = meta.get(_LAYOUT_KEY) if isinstance(meta, Mapping) else None
-        tp = self.parallel_dims.tensor_parallel
-        if layout and layout["tensor_parallel_size"] != tp:
+            check_tensor_parallel_layout(meta, path, tp)  # before any state is loaded
+        elif path.is_file() and self.tp_plan is not None and self.tp_plan.fused:
             raise ValueError(
-                f"checkpoint {str(path)!r} was saved with tensor_parallel_size={layout['tensor_parallel_size']};"
-                f" the optimizer state of its fused layers ({', '.join(layout['fused'])}) is stored in that"
-                f" size's row order, so it cannot be resumed with tensor_parallel_size={tp}. Resume with"
-                f" tensor_parallel_size={layout['tensor_parallel_size']}, or start from its weights only:"
-                " `lit-parallel consolidate` it and pass the file as init_from=..."
+                f"checkpoint {str(path)!r} is a full (single-file) checkpoint, and this model's fused layers"
+                f" ({', '.join(sorted(self.tp_plan.fused))}) keep their rows in tp_dp's own order, which a full"
+                " checkpoint's optimizer state does not have. Resume it under the strategy that saved it"
+                " (ddp_tuned, fsdp_blocks, hsdp), or start from its weights only: save"
+                " torch.load(FILE)['state_dict'] to a file and pass it as init_from=..."
             )
+        return super().load_checkpoint(path, weights_only)
 
     # --- loss parallel ----------------------------------------------------------------------------------
 
