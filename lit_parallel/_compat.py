@@ -5,12 +5,9 @@ was checked with, and the public alternative where one exists (none of them does
 entry would not be here). ``tests/test_compat.py`` resolves every entry, so an upgrade that moves or
 removes one fails in that test, naming the entry, instead of somewhere in a training run.
 
-Three kinds of entry: a name handed out (``from lit_parallel._compat import tree_flatten``), resolved on
-first use so that importing this module imports neither Lightning nor heavy torch submodules
-(``lit_parallel.parallel`` imports it); an accessor function for a private attribute or method of a
-torch / Lightning object (:func:`attached_trainer`, :func:`flatten_mesh`, ...); a check only (names with
-a ``.``, e.g. ``"DDPStrategy._ddp_kwargs"``): protected state and hooks of the classes our subclasses
-extend, reached through ``self``/``super()`` and therefore only checked here.
+Three kinds of entry: a name handed out, resolved on first use (importing this module imports neither
+Lightning nor heavy torch submodules); an accessor function (:func:`attached_trainer`, ...); a check only
+(``"DDPStrategy._ddp_kwargs"``): protected state our subclasses reach through ``self``/``super()``.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ CHECKED = "torch 2.13.0, lightning 2.6.6"
 
 @dataclass(frozen=True)
 class Entry:
-    """One private name: ``target`` is ``"module:qualname"`` (``"module:"`` for the module itself);
-    ``attributes`` are private members that ``target`` (a class) must have."""
+    """``target``: ``"module:qualname"`` (``"module:"``: the module); ``attributes``: its private members."""
 
     target: str
     used_for: str
@@ -254,10 +250,11 @@ ENTRIES: dict[str, Entry] = {
         "reliability: the path Lightning's own SLURM requeue saves to (hpc_ckpt_N.ckpt)",
         attributes=("hpc_save_path",),
     ),
-    "Trainer._checkpoint_connector": Entry(
+    "wrap_resume_start": Entry(
         "lightning.pytorch:Trainer",
-        "hpc_save_path reaches the connector",
-        attributes=("_checkpoint_connector",),
+        "hpc_save_path; resume: what fit restores (auto_resume)",
+        "none",
+        ("_checkpoint_connector",),
     ),
     "combined_loader": Entry(
         "lightning.pytorch.loops.evaluation_loop:_EvaluationLoop",
@@ -371,15 +368,12 @@ def check(name: str) -> Any:
 
 
 def _message(name: str, entry: Entry, what: str) -> str:
-    return (
-        f"lit_parallel._compat entry {name!r}: {what}. Used for: {entry.used_for}. Checked with"
-        f" {entry.checked}; public alternative: {entry.public}"
-    )
+    used = f"Used for: {entry.used_for}. Checked with {entry.checked}; public alternative: {entry.public}"
+    return f"lit_parallel._compat entry {name!r}: {what}. {used}"
 
 
 def __getattr__(name: str) -> Any:
-    # Handed-out names resolve on first use and are then cached, so that importing this module stays cheap
-    # and Lightning-free. (Accessor functions are ordinary globals and never reach this hook.)
+    # Handed-out names resolve on first use, then are cached (accessor functions never reach this hook).
     if name not in ENTRIES or not name.isidentifier():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = check(name)
@@ -467,6 +461,13 @@ def hpc_save_path(trainer: Any, folder: str) -> str:
     return trainer._checkpoint_connector.hpc_save_path(folder)
 
 
+def wrap_resume_start(trainer: Any, wrap: Any) -> None:
+    """Make ``wrap(original)`` what ``trainer.fit`` calls to restore its ``ckpt_path`` (once per Trainer)."""
+    c = trainer._checkpoint_connector
+    if not getattr(c.resume_start, "lit_parallel", False):
+        c.resume_start = wrap(c.resume_start)
+
+
 def combined_loader(loop: Any) -> Any:
     """The ``CombinedLoader`` of an evaluation loop, or None before it has one."""
     return getattr(loop, "_combined_loader", None)
@@ -474,10 +475,9 @@ def combined_loader(loop: Any) -> Any:
 
 def disable_layer_sync(strategy: Any) -> bool:
     """Stop Lightning converting BatchNorm layers (``Trainer(sync_batchnorm=True)``); whether it would have."""
-    if getattr(strategy, "_layer_sync", None) is None:
-        return False
+    had = getattr(strategy, "_layer_sync", None) is not None
     strategy._layer_sync = None
-    return True
+    return had
 
 
 def metric_progress(metric: Any) -> tuple[int, Any]:

@@ -36,7 +36,7 @@ def main() -> None:
     import torch.distributed as dist
 
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if torchrun:
+    if torchrun and spec.get("worker_group", True):
         dist.init_process_group(
             "gloo", timeout=timedelta(seconds=float(os.environ.get("LP_PG_TIMEOUT", 120)))
         )

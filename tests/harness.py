@@ -119,6 +119,8 @@ def _launch_once(
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
     nnodes: int = 1,
+    max_restarts: int = 0,
+    worker_group: bool = True,
 ) -> LaunchResult:
     """One launch of ``scenarios`` on ``nprocs`` real ranks (per node).
 
@@ -128,12 +130,22 @@ def _launch_once(
             process group before the scenarios run) or ``"lightning"`` (one ``python`` process; the
             scenario builds a ``Trainer(devices=nprocs)`` and Lightning's launcher starts the others).
         nnodes: with torchrun, run that many agents on loopback as separate "nodes" (c10d rendezvous).
+        max_restarts: torchrun's ``--max-restarts`` (restart every rank when one fails); the results are the
+            last attempt's.
+        worker_group: with torchrun, the harness creates the process group before the scenarios; ``False``
+            leaves it to the strategies (as in a user's script).
     """
     if isinstance(scenarios, str):
         scenarios = [scenarios]
     outdir = Path(tmp_path) / f"launch-{time.monotonic_ns()}"
     outdir.mkdir(parents=True)
-    spec = {"scenarios": scenarios, "args": args or {}, "outdir": str(outdir), "nprocs": nprocs}
+    spec = {
+        "scenarios": scenarios,
+        "args": args or {},
+        "outdir": str(outdir),
+        "nprocs": nprocs,
+        "worker_group": worker_group,
+    }
     spec_file = outdir / "spec.json"
     spec_file.write_text(json.dumps(spec))
     port = free_port()
@@ -152,7 +164,7 @@ def _launch_once(
                     f"--rdzv-endpoint=127.0.0.1:{port}",
                     f"--rdzv-id=lp{port}",
                 ]
-            cmd += ["--max-restarts=0", "--monitor-interval=0.1", str(WORKER), str(spec_file)]
+            cmd += [f"--max-restarts={max_restarts}", "--monitor-interval=0.1", str(WORKER), str(spec_file)]
             commands.append(cmd)
     elif launcher == "lightning":
         if nnodes != 1:

@@ -88,7 +88,7 @@ def test_fused_layer_optimizer_state_in_tp_row_order_is_refused_under_another_si
     with pytest.raises(ValueError) as err:
         check_tensor_parallel_layout(meta, "ckpt/last.ckpt", tensor_parallel_size=1)
     text = str(err.value)
-    assert "'ckpt/last.ckpt' was saved by tp_dp with tensor_parallel_size=2" in text
+    assert "'ckpt/last.ckpt' was saved with tensor_parallel_size=2 (tp_dp)" in text
     assert "model.h.0.attn.c_attn" in text and "cannot be resumed with tensor_parallel_size=1" in text
     assert "TensorParallelStrategy(tensor_parallel_size=2)" in text and "init_from=" in text
     check_tensor_parallel_layout(meta, "ckpt/last.ckpt", tensor_parallel_size=2)  # the same size loads

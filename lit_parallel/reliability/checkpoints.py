@@ -65,7 +65,7 @@ def check_tensor_parallel_layout(meta: Any, path: Any, tensor_parallel_size: int
         else " (ddp_tuned, fsdp_blocks and hsdp run without tensor parallelism)"
     )
     raise ValueError(
-        f"checkpoint {str(path)!r} was saved by tp_dp with tensor_parallel_size={layout['tensor_parallel_size']};"
+        f"checkpoint {str(path)!r} was saved with tensor_parallel_size={layout['tensor_parallel_size']} (tp_dp);"
         f" the optimizer state of its fused layers ({', '.join(layout['fused'])}) is stored in that size's row"
         f" order, so it cannot be resumed with {under}. Resume with"
         f" TensorParallelStrategy(tensor_parallel_size={layout['tensor_parallel_size']}), or start from its"

@@ -1,15 +1,25 @@
-"""Mid-epoch resume: skip the batches the epoch already used, or refuse with the reason."""
+"""Resume: a mid-epoch checkpoint skips the batches the epoch already used (or is refused with the reason);
+``auto_resume`` finds the newest complete checkpoint when ``fit`` is given none."""
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
-from lit_parallel import _logging
+from lit_parallel import _compat, _logging
+from lit_parallel.checkpoint import (
+    PARTIAL_PREFIX,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    verify_checkpoint,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -113,3 +123,101 @@ def resume_mid_epoch(reliability: Reliability, trainer: pl.Trainer, loader: Any)
         f"resuming mid-epoch: {where}; the sampler skips the {done * batch_sampler.batch_size} samples"
         " per rank that epoch already used"
     )
+
+
+# --- auto_resume: the newest complete checkpoint, without a ckpt_path --------------------------------------
+
+
+def checkpoint_candidates(
+    folders: Iterable[str | Path], extensions: Iterable[str] = (".ckpt",)
+) -> list[Path]:
+    """Checkpoints (files or sharded folders) directly in ``folders``, newest first (modification time, then
+    name); temporary data of interrupted saves is never a candidate."""
+    suffixes = tuple(extensions)
+    found: dict[Path, tuple[int, str]] = {}
+    for folder in dict.fromkeys(Path(f) for f in folders):
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            if entry.name.startswith(PARTIAL_PREFIX) or not entry.name.endswith(suffixes):
+                continue
+            try:
+                found[entry] = (entry.stat().st_mtime_ns, entry.name)
+            except OSError:  # removed meanwhile, or a dangling link
+                continue
+    return sorted(found, key=found.__getitem__, reverse=True)
+
+
+def newest_complete_checkpoint(
+    folders: Iterable[str | Path], extensions: Iterable[str] = (".ckpt",)
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint in ``folders`` that :func:`~lit_parallel.checkpoint.verify_checkpoint` finds
+    complete, and the newer ones skipped with the reason (truncated, missing files, not a checkpoint)."""
+    skipped: list[tuple[Path, str]] = []
+    for path in checkpoint_candidates(folders, extensions):
+        try:
+            verify_checkpoint(path)
+        except (IncompleteCheckpointError, NotACheckpointError, UnsafeCheckpointError, OSError) as err:
+            skipped.append((path, str(err)))
+            continue
+        return path, skipped
+    return None, skipped
+
+
+def _search_folders(trainer: pl.Trainer) -> tuple[list[str], list[str]]:
+    """Where ``auto_resume`` looks: every ModelCheckpoint's folder, then the Trainer's ``default_root_dir``
+    (Lightning's SLURM requeue saves ``hpc_ckpt_N.ckpt`` there); and the file extensions they write."""
+    folders, extensions = [], [".ckpt"]
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):
+            folders.append(str(callback.dirpath))
+        extensions.append(getattr(callback, "FILE_EXTENSION", ".ckpt"))
+    folders.append(str(trainer.default_root_dir))
+    return [f for f in folders if "://" not in f], list(dict.fromkeys(extensions))
+
+
+def choose_auto_resume(strategy: Any, trainer: pl.Trainer) -> str | None:
+    """Rank 0 chooses the newest complete checkpoint (reporting the newer ones it skips); every rank gets
+    rank 0's choice. A collective: every rank calls it."""
+    choice = None
+    if strategy.global_rank == 0:
+        folders, extensions = _search_folders(trainer)
+        path, skipped = newest_complete_checkpoint(folders, extensions)
+        for bad, reason in skipped:
+            _logging.warning(f"auto_resume: skipping the newer checkpoint {str(bad)!r}: {reason}")
+        where = ", ".join(repr(f) for f in dict.fromkeys(folders))
+        if path is None:
+            _logging.info(
+                f"auto_resume: no complete checkpoint in {where}: training starts from the beginning"
+            )
+        else:
+            _logging.info(
+                f"auto_resume: resuming from {str(path)!r}, the newest complete checkpoint in {where}"
+            )
+            choice = str(path)
+    return strategy.broadcast(choice)
+
+
+def install_auto_resume(strategy: Any) -> None:
+    """``fit`` without ``ckpt_path`` (or ``ckpt_path="last"`` that finds nothing) resumes from the newest
+    complete checkpoint when ``strategy.auto_resume`` is on. Call once the process group exists."""
+    module = strategy.lightning_module
+    trainer = _compat.attached_trainer(module) if module is not None else None
+    if not getattr(strategy, "auto_resume", False) or trainer is None:
+        return
+
+    def wrap(resume_start: Any) -> Any:
+        def auto_resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            current = trainer.strategy
+            if (
+                checkpoint_path is None
+                and getattr(current, "auto_resume", False)
+                and trainer.state.fn == TrainerFn.FITTING
+            ):
+                checkpoint_path = choose_auto_resume(current, trainer)
+            resume_start(checkpoint_path, weights_only=weights_only)
+
+        auto_resume_start.lit_parallel = True  # type: ignore[attr-defined]
+        return auto_resume_start
+
+    _compat.wrap_resume_start(trainer, wrap)

@@ -52,7 +52,7 @@ CANDIDATES: dict[str, type[ParallelStrategy]] = {
 assert set(CANDIDATES) == {rule.strategy for rule in RULES}
 
 # Arguments every candidate takes; AutoStrategy passes its own to the chosen one.
-_COMMON = ("process_group_backend", "timeout", "debug_level", "watchdog", "preemption_signal")
+_COMMON = ("process_group_backend", "timeout", "debug_level", "watchdog", "preemption_signal", "auto_resume")
 
 
 class AutoStrategy(DDPStrategy):
@@ -80,8 +80,8 @@ class AutoStrategy(DDPStrategy):
         strategy_kwargs: arguments for the chosen strategy, by registry name, e.g.
             ``{"fsdp_blocks": {"activation_checkpointing": True}, "ddp_tuned": {"comm_hook": "fp16"}}``.
             Checked when this strategy is built, by building each named strategy once (no process group).
-        process_group_backend, timeout, debug_level, watchdog, preemption_signal: as in every candidate
-            strategy (process group backend and timeout, collective checks, ending every rank when one
+        process_group_backend, timeout, debug_level, watchdog, preemption_signal, auto_resume: as in every
+            candidate strategy (process group backend and timeout, collective checks, ending every rank when one
             fails, the preemption signal), passed to the chosen one.
 
     The memory accounting follows the Trainer's ``precision`` (mixed precision: 2 + 2 + 12 bytes per
@@ -100,6 +100,7 @@ class AutoStrategy(DDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        auto_resume: bool = False,
     ) -> None:
         if memory_gb is not None and (
             isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0
@@ -134,6 +135,7 @@ class AutoStrategy(DDPStrategy):
             "debug_level": debug_level,
             "watchdog": watchdog,
             "preemption_signal": preemption_signal,
+            "auto_resume": auto_resume,
         }
         self.advice: Advice | None = None
         self.chosen: ParallelStrategy | None = None

@@ -30,6 +30,7 @@ from lit_parallel.parallel.buckets import (
 )
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.strategies.arguments import START_METHODS, check_bool, check_common, check_ddp_kwargs
 
 _UNUSED_FIX = (
@@ -91,6 +92,9 @@ class TunedDDPStrategy(DDPStrategy):
         watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
+        auto_resume: ``fit`` without ``ckpt_path`` resumes from the newest complete checkpoint in the
+            ModelCheckpoint folders and ``default_root_dir`` (an incomplete newer one is skipped and reported);
+            for restarts (``torchrun --max-restarts``, a requeued job). Default ``False``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``init_sync``,
             ``skip_all_reduce_unused_params``) or to Lightning's ``DDPStrategy`` (``ddp_comm_hook``,
             ``ddp_comm_state``, ``ddp_comm_wrapper``, ``model_averaging_period``). Checked when the strategy is
@@ -130,6 +134,7 @@ class TunedDDPStrategy(DDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        auto_resume: bool = False,
         **kwargs: Any,
     ) -> None:
         forward_sync_buffers = _check_arguments(
@@ -148,6 +153,7 @@ class TunedDDPStrategy(DDPStrategy):
             ),
         )
         check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+        check_bool("auto_resume", auto_resume)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -168,6 +174,7 @@ class TunedDDPStrategy(DDPStrategy):
         self._powersgd_warmup_steps = powersgd_warmup_steps
         self._compile = compile
         self._forward_sync_buffers = forward_sync_buffers
+        self.auto_resume = auto_resume
         self.reliability = Reliability.from_arguments(
             debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
         )
@@ -199,6 +206,7 @@ class TunedDDPStrategy(DDPStrategy):
         lm = self.lightning_module
         self._validate_before_launch(_compat.attached_trainer(lm), lm)
         super().setup_environment()
+        install_auto_resume(self)
 
     @override
     def configure_ddp(self) -> None:

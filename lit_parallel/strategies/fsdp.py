@@ -39,6 +39,7 @@ from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
+from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.strategies.arguments import (
     check_bool,
     check_common,
@@ -104,6 +105,9 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
+        auto_resume: ``fit`` without ``ckpt_path`` resumes from the newest complete checkpoint in the
+            ModelCheckpoint folders and ``default_root_dir`` (an incomplete newer one is skipped and reported);
+            for restarts (``torchrun --max-restarts``, a requeued job). Default ``False``.
 
     Checkpoints hold every rank's RNG states (resume is bitwise exact, dropout included), are written under a
     temporary name and renamed into place when complete (DCP's ``.metadata`` written last), and load without
@@ -133,6 +137,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        auto_resume: bool = False,
     ) -> None:
         _check_arguments(
             block_types=block_types,
@@ -145,6 +150,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
         )
         check_common(process_group_backend=process_group_backend, timeout=timeout)
+        check_bool("auto_resume", auto_resume)
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
@@ -159,6 +165,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         self._compile = compile
         self._cpu_offload = cpu_offload
         self._init_from = init_from
+        self.auto_resume = auto_resume
         self._mp_policy: MixedPrecisionPolicy | None = None
         self._dims: ParallelDims | None = None
         self.plan: FSDPPlan | None = None
@@ -230,6 +237,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         self.reliability.apply_timeout()  # the mesh's sub-groups get torch's 30-minute default otherwise
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, self._device_mesh)
+        install_auto_resume(self)
 
     @property
     @override

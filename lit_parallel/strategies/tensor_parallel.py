@@ -69,7 +69,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             ``fsdp_blocks``.
         reshard_after_forward, mixed_precision, activation_checkpointing, compile, init_from,
         save_distributed_checkpoint, process_group_backend, timeout, debug_level, watchdog,
-            preemption_signal: as in ``fsdp_blocks``.
+            preemption_signal, auto_resume: as in ``fsdp_blocks``.
 
     The plan (module -> style, replicated layers with the reason, adjusted head-count attributes) and
     the parameter bytes per rank are logged on rank 0; the plan is kept as ``strategy.tp_plan``. With
@@ -102,6 +102,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        auto_resume: bool = False,
     ) -> None:
         check_size("data_parallel_size", data_parallel_size, auto=True)
         check_size("tensor_parallel_size", tensor_parallel_size, auto=True)
@@ -134,6 +135,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             debug_level=debug_level,
             watchdog=watchdog,
             preemption_signal=preemption_signal,
+            auto_resume=auto_resume,
         )
         self._dp_size = data_parallel_size
         self._tp_size = tensor_parallel_size
