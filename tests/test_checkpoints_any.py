@@ -17,7 +17,6 @@ from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY, check_tensor_par
 from tests.harness import launch
 from tests.scenarios.checkpoints_any import LOADS_ON_3, SAVED
 
-pytestmark = pytest.mark.multiprocess
 SC = "tests.scenarios.checkpoints_any"
 
 
@@ -63,6 +62,7 @@ STRATEGY_CLASS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1300)
 @pytest.mark.parametrize("source", [s for s in SAVED if s != "tp_dp"])
 def test_checkpoint_of_any_strategy_restores_bitwise_under_tp_dp(any_checkpoint, source):
@@ -71,6 +71,7 @@ def test_checkpoint_of_any_strategy_restores_bitwise_under_tp_dp(any_checkpoint,
     _check(out, on_2["saved"][source], f"{source} -> tp_dp", "TensorParallelStrategy", 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1300)
 @pytest.mark.parametrize("label, source, target", LOADS_ON_3, ids=[x[0] for x in LOADS_ON_3])
 def test_checkpoint_saved_on_2_ranks_restores_bitwise_on_3_under_another_strategy(
@@ -93,3 +94,25 @@ def test_fused_layer_optimizer_state_in_tp_row_order_is_refused_under_another_si
     assert "TensorParallelStrategy(tensor_parallel_size=2)" in text and "init_from=" in text
     check_tensor_parallel_layout(meta, "ckpt/last.ckpt", tensor_parallel_size=2)  # the same size loads
     check_tensor_parallel_layout({"epoch": 1}, "ckpt/last.ckpt", tensor_parallel_size=4)  # no fused layers
+
+
+def test_a_full_file_is_refused_under_tp_dp_with_fused_layers_naming_the_fix(tmp_path):
+    from types import SimpleNamespace
+
+    import lit_parallel as lp
+
+    path = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {}, "optimizer_states": []}, path)
+    strategy = lp.TensorParallelStrategy(tensor_parallel_size=2)
+    strategy.tp_plan = SimpleNamespace(
+        fused={"model.h.0.attn.c_attn": [32, 32, 32]}
+    )  # as apply_tp records it
+    with pytest.raises(ValueError) as err:
+        strategy.load_checkpoint(path)  # no process group: broadcast returns the path itself
+    text = str(err.value)
+    assert f"checkpoint {str(path)!r} is a full (single-file) checkpoint" in text
+    assert (
+        "model.h.0.attn.c_attn" in text
+        and "save_distributed_checkpoint=True" in text
+        and "init_from=" in text
+    )

@@ -217,11 +217,14 @@ def load_sharded_checkpoint(
     if not _is_remote(path):
         path = Path(strategy.broadcast(str(path)))
         kind = verify_checkpoint(path)
+    tensor_parallel_size = _tensor_parallel_size(strategy)
     if kind == "sharded":
-        meta = _load_sharded(strategy, Path(path))
-    else:
-        meta = lightning_load(path, weights_only=weights_only is not False)
-    check_tensor_parallel_layout(meta, path, _tensor_parallel_size(strategy))
+        meta = torch.load(Path(path) / LIGHTNING_META, weights_only=True)
+        check_tensor_parallel_layout(meta, path, tensor_parallel_size)  # before any state is loaded
+        _load_sharded(strategy, Path(path))
+        return meta
+    meta = lightning_load(path, weights_only=weights_only is not False)
+    check_tensor_parallel_layout(meta, path, tensor_parallel_size)
     return meta
 
 
@@ -232,7 +235,7 @@ def _tensor_parallel_size(strategy: Any) -> int:
         return 1
 
 
-def _load_sharded(strategy: ModelParallelStrategy, path: Path) -> dict[str, Any]:
+def _load_sharded(strategy: ModelParallelStrategy, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -255,4 +258,3 @@ def _load_sharded(strategy: ModelParallelStrategy, path: Path) -> dict[str, Any]
             optim_state_dict=optim_state[key],
             options=StateDictOptions(cpu_offload=True),
         )
-    return torch.load(path / LIGHTNING_META, weights_only=True)

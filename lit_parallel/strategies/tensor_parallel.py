@@ -33,7 +33,7 @@ from lit_parallel.parallel.parallelize import parallelize
 from lit_parallel.parallel.rank_bytes import describe_parameter_bytes
 from lit_parallel.parallel.tensor_parallel import PlanSpec, TPPlan, plan_from_spec
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
-from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY, check_tensor_parallel_layout
+from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY
 from lit_parallel.strategies.arguments import checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 
@@ -229,20 +229,15 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        # a sharded checkpoint of another tensor-parallel size is refused by load_sharded_checkpoint
         path = Path(self.broadcast(checkpoint_path))
-        tp = self.parallel_dims.tensor_parallel
-        if (path / "meta.pt").is_file():
-            try:
-                meta = torch.load(path / "meta.pt", weights_only=weights_only is not False)
-            except Exception:  # noqa: BLE001 - Lightning reads it again below and reports its own error
-                meta = {}
-            check_tensor_parallel_layout(meta, path, tp)  # before any state is loaded
-        elif path.is_file() and self.tp_plan is not None and self.tp_plan.fused:
+        if path.is_file() and self.tp_plan is not None and self.tp_plan.fused:
             raise ValueError(
                 f"checkpoint {str(path)!r} is a full (single-file) checkpoint, and this model's fused layers"
                 f" ({', '.join(sorted(self.tp_plan.fused))}) keep their rows in tp_dp's own order, which a full"
-                " checkpoint's optimizer state does not have. Resume it under the strategy that saved it"
-                " (ddp_tuned, fsdp_blocks, hsdp), or start from its weights only: save"
+                " checkpoint's rows do not have. Resume it under a strategy without tensor parallelism"
+                " (ddp_tuned, fsdp_blocks, hsdp), let tp_dp save sharded checkpoints"
+                " (save_distributed_checkpoint=True, the default), or start from its weights only: save"
                 " torch.load(FILE)['state_dict'] to a file and pass it as init_from=..."
             )
         return super().load_checkpoint(path, weights_only)
