@@ -207,7 +207,7 @@ def test_a_failed_move_names_the_file_on_the_full_disk_not_the_temporary_source(
     target = tmp_path / "model.pt"
 
     def fail(tmp):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/tmpabc", str(tmp))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/tmpabc", None, str(tmp))
 
     with pytest.raises(CheckpointWriteError) as info:
         atomic_save(fail, target)
