@@ -193,7 +193,9 @@ def write_error(err: BaseException, destination: str | Path) -> CheckpointWriteE
     if found is not None:
         code: int | None = found.errno
         cause = _CAUSES.get(code) or os.strerror(code)
-        where = f" ({found.filename})" if getattr(found, "filename", None) else ""
+        # a move (fsspec writes to a temporary file, then moves it) names the file it could not write second
+        failed_at = getattr(found, "filename2", None) or getattr(found, "filename", None)
+        where = f" (writing {failed_at})" if failed_at else ""
     else:
         code, cause = _probe(destination.parent if destination.parent.exists() else Path("."))
         where = ""

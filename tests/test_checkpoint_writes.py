@@ -202,6 +202,20 @@ def test_write_errors_are_named_in_words(tmp_path, code, words):
     assert not target.exists() and _no_partials(tmp_path)
 
 
+def test_a_failed_move_names_the_file_on_the_full_disk_not_the_temporary_source(tmp_path):
+    """fsspec saves through a temporary file and moves it; the error must name where the move wrote to."""
+    target = tmp_path / "model.pt"
+
+    def fail(tmp):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/tmpabc", None, str(tmp))
+
+    with pytest.raises(CheckpointWriteError) as info:
+        atomic_save(fail, target)
+    message = str(info.value)
+    assert "the disk is full (writing " in message and str(tmp_path) in message.split("writing ")[1]
+    assert "/tmp/tmpabc" not in message.split(". The partial")[0]
+
+
 def test_torch_zip_writer_errors_are_translated(tmp_path, monkeypatch):
     """torch's zip writer fails without errno ('unexpected pos', inline_container.cc): the cause is read from
     the file system (here: statvfs says no space is left)."""
