@@ -1,0 +1,160 @@
+"""pp_dp on real gloo ranks against one plain PyTorch process on the same global batches.
+
+Launch A (2 ranks): every schedule at pp2 (parity, reported loss, validation through the stages), the
+missing-hook error, checkpoints across pipeline sizes and strategies. Launch B (4 ranks): pp2 x dp2 for the
+schedules that run with FSDP2. Expected values come from tests/reference.py, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import launch
+from tests.reference import assert_rel_close, collate, reference_training
+from tests.scenarios import pipeline as sc
+
+pytestmark = pytest.mark.multiprocess
+BATCH = 4  # per data-parallel rank
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory):
+    names = ["parity_pp2", "missing_hook", "checkpoints"]
+    return launch(
+        [f"tests.scenarios.pipeline:{n}" for n in names], 2, tmp_path_factory.mktemp("pp2"), timeout=1500
+    )
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory):
+    names = ["parity_pp2_dp2"]
+    return launch(
+        [f"tests.scenarios.pipeline:{n}" for n in names], 4, tmp_path_factory.mktemp("pp4"), timeout=1500
+    )
+
+
+def _reference(dp: int) -> dict:
+    return reference_training(
+        sc.build_model(),
+        sc.lm_dataset(),
+        sc.lm_loss,
+        world_size=dp,
+        per_rank_batch=BATCH,
+        max_steps=3,
+        lr=0.1,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+    )
+
+
+def _merged(per_rank: list[dict]) -> dict:
+    """Every rank's stage parameters together: the whole model (stages hold disjoint keys)."""
+    merged: dict = {}
+    for out in per_rank:
+        for k, v in out["params"].items():
+            if k in merged:
+                assert torch.equal(merged[k], v), f"{k}: ranks of one stage disagree"
+            merged[k] = v
+    return merged
+
+
+def _assert_parity(per_rank: list[dict], ref: dict, what: str) -> None:
+    for rank, out in enumerate(per_rank):
+        # the reported loss is the whole step's mean, identical on every rank
+        assert_rel_close(
+            torch.tensor(out["losses"]), torch.tensor(ref["losses"]), what=f"{what} rank {rank} losses"
+        )
+    merged = _merged(per_rank)
+    assert set(merged) == {f"model.{k}" for k in ref["params"]}
+    for name, expected in ref["params"].items():
+        assert_rel_close(merged[f"model.{name}"], expected, what=f"{what}: {name}")
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("schedule", sc.SCHEDULES_2RANKS)
+def test_pp2_matches_single_process_with_accumulation_and_clipping(run2, schedule):
+    per_rank = [out[schedule] for out in run2.scenario("parity_pp2")]
+    _assert_parity(per_rank, _reference(dp=1), f"pp2 {schedule}")
+    stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
+    assert [len(out["stages"]) for out in per_rank] == [stages_per_rank, stages_per_rank]
+
+
+@pytest.mark.timeout(1600)
+def test_validation_runs_through_the_stages(run2):
+    per_rank = [out["1F1B"] for out in run2.scenario("parity_pp2")]
+    ref = _reference(dp=1)
+    model = sc.build_model()
+    model.load_state_dict(ref["params"])
+    val = sc.lm_dataset(16, seed=1)
+    with torch.no_grad():
+        expected = [
+            sc.lm_loss(model, collate(val, range(i * BATCH, (i + 1) * BATCH))).item() for i in range(2)
+        ]
+    for out in per_rank:
+        assert_rel_close(torch.tensor(out["val"]), torch.tensor(expected), what="validation loss")
+
+
+@pytest.mark.timeout(1600)
+def test_plan_table_puts_embeddings_first_and_head_last(run2):
+    table = run2.scenario("parity_pp2")[0]["1F1B"]["table"].splitlines()
+    assert len(table) == 4  # title, header, two stages
+    assert "wte,wpe" in table[2] and "model.h.0..1" in table[2]
+    assert "ln_f,lm_head" in table[3] and "model.h.2..3" in table[3]
+
+
+@pytest.mark.timeout(1600)
+def test_module_without_pipeline_loss_gets_error_naming_the_hook(run2):
+    for out in run2.scenario("missing_hook"):
+        assert out["error"] is not None and "pipeline_loss(self, output, targets)" in out["error"]
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("schedule", sc.SCHEDULES_DP)
+def test_pp2_dp2_matches_single_process(run4, schedule):
+    per_rank = [out[schedule] for out in run4.scenario("parity_pp2_dp2")]
+    _assert_parity(per_rank, _reference(dp=2), f"pp2 x dp2 {schedule}")
+
+
+def _merged_params(per_rank: list[dict], key: str) -> dict:
+    return _merged(
+        [{"params": out[key] if "params" not in out[key] else out[key]["params"]} for out in per_rank]
+    )
+
+
+def _assert_equal(actual: dict, expected: dict, what: str) -> None:
+    assert set(actual) == set(expected), f"{what}: keys differ"
+    for k, v in expected.items():
+        assert torch.equal(actual[k], v), f"{what}: {k} differs"
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("target", ["pp1", "fsdp_blocks", "ddp_tuned"])
+def test_pp2_checkpoint_loads_bitwise_under(run2, target):
+    per_rank = run2.scenario("checkpoints")
+    saved = _merged_params(per_rank, "saved")
+    _assert_equal(_merged_params(per_rank, target), saved, f"pp2 -> {target}")
+    assert all(out[target]["trained"] == 0 for out in per_rank)  # restored at the epoch's end
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("source", ["fsdp", "ddp"])
+def test_checkpoint_of_other_strategy_loads_bitwise_under_pp2(run2, source):
+    per_rank = run2.scenario("checkpoints")
+    _assert_equal(
+        _merged_params(per_rank, f"pp2_from_{source}"), _merged_params(per_rank, f"{source}_saved"), source
+    )
+
+
+@pytest.mark.timeout(1600)
+def test_resumed_pp2_continues_the_uninterrupted_loss_curve_bitwise(run2):
+    for out in run2.scenario("checkpoints"):
+        first = len(out["first_epoch"])
+        assert out["uninterrupted"][:first] == out["first_epoch"]
+        assert out["resumed"] == out["uninterrupted"][first:] and len(out["resumed"]) == first
+
+
+@pytest.mark.timeout(1600)
+def test_consolidate_turns_the_pp2_checkpoint_into_the_whole_model(run2):
+    per_rank = run2.scenario("checkpoints")
+    _assert_equal(per_rank[0]["consolidated"], _merged_params(per_rank, "saved"), "consolidated")
