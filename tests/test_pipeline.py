@@ -2,7 +2,7 @@
 
 Launch A (2 ranks): every schedule at pp2 (parity, reported loss, validation through the stages), the
 missing-hook error, checkpoints across pipeline sizes and strategies. Launch B (4 ranks): pp2 x dp2 for the
-schedules that run with FSDP2. Expected values come from tests/reference.py, never from the code under test.
+schedules that run with FSDP2. Launch C (8 ranks on two loopback torchrun nodes): pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def run2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def run8(tmp_path_factory):
+    """pp2 x dp2 x tp2: two torchrun agents on loopback ("nodes") of 4 ranks each."""
+    target = "tests.scenarios.pipeline:parity_pp2_dp2_tp2"
+    return launch([target], 4, tmp_path_factory.mktemp("pp8"), timeout=1500, nnodes=2)
+
+
+@pytest.fixture(scope="module")
 def run4(tmp_path_factory):
     names = ["parity_pp2_dp2"]
     return launch(
@@ -34,9 +41,9 @@ def run4(tmp_path_factory):
     )
 
 
-def _reference(dp: int) -> dict:
+def _reference(dp: int, name: str = "gpt") -> dict:
     return reference_training(
-        sc.build_model(),
+        sc.build_model(name=name),
         sc.lm_dataset(),
         sc.lm_loss,
         world_size=dp,
@@ -158,3 +165,10 @@ def test_resumed_pp2_continues_the_uninterrupted_loss_curve_bitwise(run2):
 def test_consolidate_turns_the_pp2_checkpoint_into_the_whole_model(run2):
     per_rank = run2.scenario("checkpoints")
     _assert_equal(per_rank[0]["consolidated"], _merged_params(per_rank, "saved"), "consolidated")
+
+
+@pytest.mark.timeout(1600)
+def test_pp2_dp2_tp2_on_two_nodes_matches_single_process(run8):
+    per_rank = [out["1F1B"] for out in run8.scenario("parity_pp2_dp2_tp2")]
+    assert len(per_rank) == 8
+    _assert_parity(per_rank, _reference(dp=2, name="llama"), "pp2 x dp2 x tp2")

@@ -18,7 +18,9 @@ from torch import nn
 
 from lit_parallel.parallel.fsdp import apply_fsdp, clip_grad_norm_
 from lit_parallel.parallel.mesh import ParallelDims
-from lit_parallel.parallel.parallelize import apply_activation_checkpointing, apply_tensor_parallel
+from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta
+from lit_parallel.parallel.parallelize import apply_activation_checkpointing
+from lit_parallel.parallel.tp_apply import apply_tp
 from lit_parallel.parallel.pipeline import SCHEDULES, PipelinePlan
 from lit_parallel.parallel.pipeline_stage import StageModule, build_stage_modules
 
@@ -49,11 +51,18 @@ def parallelize_stages(
 ) -> list[StageModule]:
     """Prune ``model`` to this rank's stages and parallelize each stage over the data-parallel ranks
     (``shard=False``: no FSDP2, for the zero-bubble schedules on one data-parallel rank)."""
+    if has_meta(model):
+        raise ValueError(
+            "pp_dp needs the model materialised on every rank (it cuts the stages from it); build it on a"
+            " real device, not under torch.device('meta')"
+        )
+    # Every rank starts from rank 0's weights (the whole model, before the stages are cut from it), so each
+    # one can take its stages' pieces and tensor-parallel shards locally.
+    broadcast_from_rank0([*model.parameters(), *model.buffers()])
     pp_rank = dims.mesh["pipeline_parallel"].get_local_rank()
     stages = build_stage_modules(model, plan, pp_rank)
     if tp_plan is not None:
-        # the plan names modules of the whole model; pieces of other ranks' stages are gone from this one
-        apply_tensor_parallel(model, dims, tp_plan)
+        apply_tp(model, dims.tp_mesh(), _present_part(tp_plan, model), src_data_rank=None)
     modules = dict(model.named_modules())
     for stage in stages:
         blocks = [modules[name] for name in stage.plan.blocks]
@@ -68,6 +77,20 @@ def parallelize_stages(
         )
         stage.register_hooks()
     return stages
+
+
+def _present_part(tp_plan: TPPlan, model: nn.Module) -> TPPlan:
+    """The plan (inferred on the whole model) for the modules this rank kept: other stages' are gone."""
+    import dataclasses
+
+    from lit_parallel.parallel.pipeline_stage import _Skip
+
+    present = {n for n, m in model.named_modules() if not isinstance(m, _Skip)}
+    return dataclasses.replace(
+        tp_plan,
+        styles={p: s for p, s in tp_plan.styles.items() if p in present},
+        head_attributes=[h for h in tp_plan.head_attributes if h[0] in present],
+    )
 
 
 @dataclass

@@ -43,6 +43,7 @@ from lit_parallel.parallel.pipeline_schedule import (
     parallelize_stages,
     step_mean_loss,
 )
+from lit_parallel.parallel.tensor_parallel import plan_from_spec
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision
@@ -221,10 +222,17 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         self.pipeline_plan = plan = self._plan(self.model)
         self._param_order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
         info(f"{self.strategy_name}: mesh {self.parallel_dims.describe()}\n{plan.table()}")
+        tp_plan = None
+        if self._tp_size > 1:
+            # inferred on the whole model, before the stages are cut from it
+            blocks = find_transformer_blocks(self.model, self._block_types)
+            tp_plan = plan_from_spec(self.model, "auto", self._tp_size, block_types=blocks)
+            info(f"{self.strategy_name}: {tp_plan.describe()}")
         stages = parallelize_stages(
             self.model,
             plan,
             self.parallel_dims,
+            tp_plan=tp_plan,
             activation_checkpointing=self._activation_checkpointing,
             mp_policy=self._mp_policy,
             reshard_after_forward=self._reshard_after_forward,

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lit_parallel as lp
-from tests.models import GPT, GPTConfig
+from tests.models import GPT, GPTConfig, Llama, LlamaConfig
 from tests.scenarios.common import quiet_trainer as trainer
 
 VOCAB, SEQ, N_LAYER = 64, 8, 4
@@ -39,8 +39,10 @@ def lm_dataset(n: int = 64, seed: int = 0) -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
+def build_model(seed: int = 0, name: str = "gpt") -> torch.nn.Module:
     torch.manual_seed(seed)
+    if name == "llama":  # its attention splits by heads, as tensor parallelism needs
+        return Llama(LlamaConfig(n_layers=N_LAYER, max_seq_len=SEQ))
     return GPT(GPTConfig(n_layer=N_LAYER, block_size=SEQ))
 
 
@@ -51,10 +53,10 @@ def lm_loss(model: torch.nn.Module, batch) -> torch.Tensor:
 class PipeModel(L.LightningModule):
     """The pp_dp contract: forward(inputs) and pipeline_loss(output, targets)."""
 
-    def __init__(self, lr: float = 0.1, momentum: float = 0.0):
+    def __init__(self, lr: float = 0.1, momentum: float = 0.0, name: str = "gpt"):
         super().__init__()
         self.lr, self.momentum = lr, momentum
-        self.model = build_model()
+        self.model = build_model(name=name)
 
     def forward(self, idx):
         return self.model(idx)
@@ -105,8 +107,8 @@ def local_params(module: torch.nn.Module) -> dict:
     return out
 
 
-def _fit(ctx, strategy, *, steps=3, accumulate=2, clip=0.5, batch=4, val=False):
-    model = PipeModel()
+def _fit(ctx, strategy, *, steps=3, accumulate=2, clip=0.5, batch=4, val=False, name="gpt"):
+    model = PipeModel(name=name)
     rec = LossRecorder()
     t = trainer(
         ctx,
@@ -123,13 +125,13 @@ def _fit(ctx, strategy, *, steps=3, accumulate=2, clip=0.5, batch=4, val=False):
     return t, model, rec
 
 
-def parity(ctx, schedules, pp=2, microbatches=4):
+def parity(ctx, schedules, pp=2, microbatches=4, tp=1, name="gpt"):
     out = {}
     for schedule in schedules:
         strategy = lp.PipelineParallelStrategy(
-            pipeline_parallel_size=pp, schedule=schedule, microbatches=microbatches
+            pipeline_parallel_size=pp, schedule=schedule, microbatches=microbatches, tensor_parallel_size=tp
         )
-        t, model, rec = _fit(ctx, strategy, val=schedule == "1F1B")
+        t, model, rec = _fit(ctx, strategy, val=schedule == "1F1B", name=name)
         out[schedule] = {
             "losses": rec.train,
             "val": rec.val,
@@ -209,3 +211,7 @@ def checkpoints(ctx):
     _, _, straight = _epoch_fit(ctx, _pp(), 2)
     out["resumed"], out["uninterrupted"] = resumed.train, straight.train
     return out
+
+
+def parity_pp2_dp2_tp2(ctx):
+    return parity(ctx, ["1F1B"], tp=2, name="llama")
