@@ -20,7 +20,7 @@ BATCH = 4  # per data-parallel rank
 
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory):
-    names = ["parity_pp2", "missing_hook", "checkpoints"]
+    names = ["parity_pp2", "missing_hook", "memory_and_p2p", "checkpoints"]
     return launch(
         [f"tests.scenarios.pipeline:{n}" for n in names], 2, tmp_path_factory.mktemp("pp2"), timeout=1500
     )
@@ -172,3 +172,27 @@ def test_pp2_dp2_tp2_on_two_nodes_matches_single_process(run8):
     per_rank = [out["1F1B"] for out in run8.scenario("parity_pp2_dp2_tp2")]
     assert len(per_rank) == 8
     _assert_parity(per_rank, _reference(dp=2, name="llama"), "pp2 x dp2 x tp2")
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_micro_batches_in_flight_per_stage_gpipe_all_1f1b_at_most_p_minus_stage(run2, schedule):
+    p, m = 2, 4
+    peaks = {}
+    for out in run2.scenario("memory_and_p2p"):
+        peaks.update(out[schedule]["peaks"])
+    # GPipe runs every forward before any backward: all M micro-batches' activations are held at once.
+    # 1F1B starts backward as soon as the last stage has one: stage s holds at most P - s.
+    expected = {s: m if schedule == "GPipe" else min(m, p - s) for s in range(p)}
+    assert peaks == expected
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_point_to_point_bytes_per_step_are_activations_forward_and_their_gradients_back(run2, schedule):
+    m, b, t, c = 4, BATCH, sc.SEQ, 32  # micro-batches, samples per step, sequence, width (GPTConfig.n_embd)
+    first, last = (out[schedule]["sends"] for out in run2.scenario("memory_and_p2p"))
+    activation = (b // m) * t * c * 4  # one micro-batch's fp32 hidden states at the stage boundary
+    tokens = (b // m) * t * 8  # its int64 token ids, which later stages read for shapes
+    assert sorted(first) == sorted([(1, activation, "torch.float32"), (1, tokens, "torch.int64")] * m)
+    assert last == [(0, activation, "torch.float32")] * m  # gradients of the activations; none for tokens

@@ -109,6 +109,8 @@ class Pipeline:
         holds_first = any(s.plan.index == 0 for s in self.stages)
         args = inputs if holds_first else ()
         target = targets if self.holds_last else None
+        for stage in self.stages:
+            stage.reset_counters()
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=target, losses=losses)
         if not self.holds_last:

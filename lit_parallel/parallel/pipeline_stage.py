@@ -105,6 +105,8 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_first", modules[stage.blocks[0]])
         object.__setattr__(self, "_last", modules[stage.blocks[-1]])
         self._state = state
+        # micro-batches whose activations this stage holds for backward (now, and the most since reset)
+        self.in_flight = self.peak_in_flight = 0
         # non-block pieces of the whole model: (parent, attribute, the real module, its skip)
         self._others = skips
 
@@ -136,9 +138,24 @@ class StageModule(nn.Module):
                 out = self._model(*inputs)
         finally:
             state.stage = None
-        if self.is_last:
-            return out
-        return (state.output, *inputs)
+        result = out if self.is_last else (state.output, *inputs)
+        self._count_in_flight(out if self.is_last else state.output)
+        return result
+
+    def _count_in_flight(self, output: Any) -> None:
+        """A micro-batch is in flight from its forward until backward reaches its output."""
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+        def done(grad: torch.Tensor) -> None:
+            self.in_flight -= 1
+
+        output.register_hook(done)
+
+    def reset_counters(self) -> None:
+        self.in_flight = self.peak_in_flight = 0
 
     def _pre_hook(self, block: nn.Module, args: tuple) -> tuple | None:
         state = self._state

@@ -215,3 +215,36 @@ def checkpoints(ctx):
 
 def parity_pp2_dp2_tp2(ctx):
     return parity(ctx, ["1F1B"], tp=2, name="llama")
+
+
+# --- memory and point-to-point traffic -------------------------------------------------------------------
+
+
+class P2PRecorder(Callback):
+    """Bytes this rank sends to other stages, per training batch, and the stages' peak in-flight counts."""
+
+    def __init__(self):
+        self.sends: list[list] = []
+        self.peaks: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lit_parallel.parallel.pipeline_comm import count_p2p
+
+        self._ctx = count_p2p()
+        self._record = self._ctx.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._ctx.__exit__(None, None, None)
+        self.sends.append(list(self._record.sends))
+        self.peaks.append({s.plan.index: s.peak_in_flight for s in trainer.strategy.pipeline.stages})
+
+
+def memory_and_p2p(ctx):
+    out = {}
+    for schedule in ("GPipe", "1F1B"):
+        rec = P2PRecorder()
+        strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, schedule=schedule, microbatches=4)
+        t = trainer(ctx, strategy, max_steps=2, callbacks=[rec])
+        t.fit(PipeModel(), DataLoader(lm_dataset(), batch_size=4))
+        out[schedule] = {"sends": rec.sends[-1], "peaks": rec.peaks[-1]}
+    return out
