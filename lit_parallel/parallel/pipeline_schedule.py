@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_parallel.parallel.fsdp import apply_fsdp, clip_grad_norm_
-from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta
+from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import apply_activation_checkpointing
-from lit_parallel.parallel.tp_apply import apply_tp
 from lit_parallel.parallel.pipeline import SCHEDULES, PipelinePlan
 from lit_parallel.parallel.pipeline_stage import StageModule, build_stage_modules
+from lit_parallel.parallel.tp_apply import apply_tp
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
