@@ -9,7 +9,7 @@ the gradient reduce-scatter off for all micro-batches but the last and scales th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +102,7 @@ class Pipeline:
     schedule: Any
     holds_last: bool
     group: Any
+    pipe_stages: list = field(default_factory=list)  # torch's PipelineStage objects, one per stage
 
     def step(self, inputs: tuple, targets: Any, *, train: bool = True) -> torch.Tensor | None:
         """One step on this rank's batch; returns the mean micro-batch loss on the last stage, else ``None``."""
@@ -142,7 +143,7 @@ def build_pipeline(
     first = pipe_stages[0] if SCHEDULES[plan.schedule][1] == 1 else pipe_stages
     schedule = cls(first, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
     holds_last = any(s.is_last for s in stages)
-    return Pipeline(plan, stages, schedule, holds_last, group)
+    return Pipeline(plan, stages, schedule, holds_last, group, pipe_stages)
 
 
 class HeldGradients:
