@@ -20,7 +20,7 @@ BATCH = 4  # per data-parallel rank
 
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory):
-    names = ["parity_pp2", "missing_hook", "memory_and_p2p", "checkpoints"]
+    names = ["parity_pp2", "missing_hook", "memory_and_p2p", "options", "checkpoints"]
     return launch(
         [f"tests.scenarios.pipeline:{n}" for n in names], 2, tmp_path_factory.mktemp("pp2"), timeout=1500
     )
@@ -196,3 +196,23 @@ def test_point_to_point_bytes_per_step_are_activations_forward_and_their_gradien
     tokens = (b // m) * t * 8  # its int64 token ids, which later stages read for shapes
     assert sorted(first) == sorted([(1, activation, "torch.float32"), (1, tokens, "torch.int64")] * m)
     assert last == [(0, activation, "torch.float32")] * m  # gradients of the activations; none for tokens
+
+
+@pytest.mark.timeout(1600)
+def test_activation_checkpointing_per_block_keeps_parity(run2):
+    per_rank = [out["checkpointing"] for out in run2.scenario("options")]
+    assert [out["checkpointed"] for out in per_rank] == [[True, True], [True, True]]  # each rank's 2 blocks
+    _assert_parity(per_rank, _reference(dp=1), "pp2 1F1B activation checkpointing")
+
+
+@pytest.mark.timeout(1600)
+def test_bf16_mixed_trains_close_to_fp32_with_clipping_across_stages(run2):
+    per_rank = [out["bf16_mixed"] for out in run2.scenario("options")]
+    ref = _reference(dp=1)
+    assert all(out["plugin"] == "PipelinePrecision" for out in per_rank)
+    for out in per_rank:
+        # bf16 compute: about 3 significant digits
+        assert_rel_close(
+            torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rel=2e-2, what="bf16 losses"
+        )
+    assert per_rank[0]["losses"] != ref["losses"]  # the policy really computed in bf16

@@ -248,3 +248,32 @@ def memory_and_p2p(ctx):
         t.fit(PipeModel(), DataLoader(lm_dataset(), batch_size=4))
         out[schedule] = {"sends": rec.sends[-1], "peaks": rec.peaks[-1]}
     return out
+
+
+def options(ctx):
+    """Activation checkpointing per block (exact) and bf16-mixed (FSDP2's policy casts), 1F1B at pp2."""
+    out = {}
+    for label, kwargs, precision in (
+        ("checkpointing", {"activation_checkpointing": True}, "32-true"),
+        ("bf16_mixed", {}, "bf16-mixed"),
+    ):
+        strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=4, **kwargs)
+        model, rec = PipeModel(), LossRecorder()
+        t = trainer(
+            ctx,
+            strategy,
+            max_steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+            callbacks=[rec],
+            precision=precision,
+        )
+        t.fit(model, DataLoader(lm_dataset(), batch_size=4))
+        blocks = [m for n, m in model.named_modules() if n.startswith("model.h.") and n.count(".") == 2]
+        out[label] = {
+            "losses": rec.train,
+            "params": local_params(model),
+            "checkpointed": [getattr(b, "_lp_activation_checkpointing", False) for b in blocks],
+            "plugin": type(t.precision_plugin).__name__,
+        }
+    return out
