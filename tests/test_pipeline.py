@@ -20,7 +20,7 @@ BATCH = 4  # per data-parallel rank
 
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory):
-    names = ["parity_pp2", "missing_hook", "memory_and_p2p", "options", "checkpoints"]
+    names = ["parity_pp2", "missing_hook", "memory_and_p2p", "options", "smaller_last_batch", "checkpoints"]
     return launch(
         [f"tests.scenarios.pipeline:{n}" for n in names], 2, tmp_path_factory.mktemp("pp2"), timeout=1500
     )
@@ -216,3 +216,18 @@ def test_bf16_mixed_trains_close_to_fp32_with_clipping_across_stages(run2):
             torch.tensor(out["losses"]), torch.tensor(ref["losses"]), rel=2e-2, what="bf16 losses"
         )
     assert per_rank[0]["losses"] != ref["losses"]  # the policy really computed in bf16
+
+
+@pytest.mark.timeout(1600)
+def test_a_smaller_last_batch_gets_its_own_stage_shapes_and_stays_exact(run2):
+    ref = reference_training(
+        sc.build_model(),
+        sc.lm_dataset(60),
+        sc.lm_loss,
+        world_size=1,
+        per_rank_batch=8,
+        max_steps=8,
+        lr=0.1,
+        gradient_clip_val=0.5,
+    )
+    _assert_parity(run2.scenario("smaller_last_batch"), ref, "smaller last batch")

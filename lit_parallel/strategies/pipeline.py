@@ -80,6 +80,18 @@ def _default_split_batch(batch: Any) -> tuple[Any, Any]:
     )
 
 
+def _shapes(inputs: tuple, targets: Any, microbatches: int) -> tuple:
+    tensors = [t for t in (*inputs, targets) if isinstance(t, torch.Tensor)]
+    size = tensors[0].shape[0] if tensors else 0
+    if size % microbatches:
+        raise ValueError(
+            f"a batch of {size} samples does not split into microbatches={microbatches} equal micro-batches"
+            " (the step's loss is the mean of the micro-batch means); use a batch size divisible by"
+            f" {microbatches} and DataLoader(..., drop_last=True), or change microbatches"
+        )
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
 class PipelineParallelStrategy(TransformerFSDPStrategy):
     """Pipeline parallelism over ``pipeline_parallel_size`` ranks (outermost mesh dimension), FSDP2 over the
     data-parallel ranks inside each stage, tensor parallelism inside a stage when ``tensor_parallel_size > 1``.
@@ -156,6 +168,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         self._loss_scale = 1.0
         self._param_order: dict[str, int] = {}
         self._held: HeldGradients | None = None
+        self._pipelines: dict[tuple, Pipeline] = {}
+        self._stages: list = []
 
     # --- configuration, checked before any process exists -----------------------------------------------
 
@@ -238,20 +252,30 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             reshard_after_forward=self._reshard_after_forward,
             shard=self._schedule not in ZERO_BUBBLE,
         )
-        self.pipeline = build_pipeline(
-            plan, stages, self.parallel_dims, self._micro_batch_loss, self.root_device
-        )
-        self.precision_plugin.pp_group = self.pipeline.group  # type: ignore[attr-defined]
+        self._stages = stages
+        self.precision_plugin.pp_group = self._pp_group()  # type: ignore[attr-defined]
+
+    def _pp_group(self) -> Any:
+        return self.parallel_dims.mesh["pipeline_parallel"].get_group()
+
+    def _pipeline_for(self, key: tuple) -> Pipeline:
+        """torch's stages fix the tensor shapes they exchange at their first step: one pipeline per shape
+        of the batch (a smaller last batch, a validation batch size), built when first seen."""
+        if key not in self._pipelines:
+            self._pipelines[key] = build_pipeline(
+                self.pipeline_plan, self._stages, self.parallel_dims, self._micro_batch_loss, self.root_device
+            )
+        return self._pipelines[key]
 
     def _micro_batch_loss(self, output: Any, targets: Any) -> torch.Tensor:
         return self.lightning_module.pipeline_loss(output, targets) * self._loss_scale
 
     def _run(self, batch: Any, train: bool) -> torch.Tensor:
-        assert self.pipeline is not None
         module = self.lightning_module
         split = getattr(module, "pipeline_split_batch", None)
         inputs, targets = split(batch) if callable(split) else _default_split_batch(batch)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.pipeline = self._pipeline_for(_shapes(inputs, targets, self._microbatches))
         # gradients of the step's mean loss, divided by the accumulation as Lightning does with a returned loss
         accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
         self._loss_scale = 1.0 / (self._microbatches * accumulate)
@@ -307,8 +331,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        assert self.pipeline is not None
-        return globalize_param_groups(state, self._param_order, self.pipeline.group)
+        return globalize_param_groups(state, self._param_order, self._pp_group())
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

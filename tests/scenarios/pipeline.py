@@ -277,3 +277,11 @@ def options(ctx):
             "plugin": type(t.precision_plugin).__name__,
         }
     return out
+
+
+def smaller_last_batch(ctx):
+    """60 samples in batches of 8: the epoch's last batch has 4, a second shape for the stages."""
+    model, rec = PipeModel(), LossRecorder()
+    t = trainer(ctx, _pp(2, "1F1B"), max_epochs=1, gradient_clip_val=0.5, callbacks=[rec])
+    t.fit(model, DataLoader(lm_dataset(60), batch_size=8))
+    return {"losses": rec.train, "params": local_params(model)}
