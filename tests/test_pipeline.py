@@ -2,7 +2,8 @@
 
 Launch A (2 ranks): every schedule at pp2 (parity, reported loss, validation through the stages), the
 missing-hook error, checkpoints across pipeline sizes and strategies. Launch B (4 ranks): pp2 x dp2 for the
-schedules that run with FSDP2. Launch C (8 ranks on two loopback torchrun nodes): pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
+schedules that run with FSDP2, and the recipe (recipes/configs/gpt_pp.yaml) as its header's torchrun command.
+Launch C (8 ranks on two loopback torchrun nodes): pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def run8(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run4(tmp_path_factory):
-    names = ["parity_pp2_dp2"]
+    names = ["parity_pp2_dp2", "recipe_gpt_pp"]
     return launch(
         [f"tests.scenarios.pipeline:{n}" for n in names], 4, tmp_path_factory.mktemp("pp4"), timeout=1500
     )
@@ -231,3 +232,60 @@ def test_a_smaller_last_batch_gets_its_own_stage_shapes_and_stays_exact(run2):
         gradient_clip_val=0.5,
     )
     _assert_parity(run2.scenario("smaller_last_batch"), ref, "smaller last batch")
+
+
+@pytest.mark.timeout(1600)
+def test_gpt_pp_recipe_trains_pp2_x_dp2_and_its_checkpoint_consolidates(run4, tmp_path):
+    import math
+    import subprocess
+    import sys
+
+    out = run4.scenario("recipe_gpt_pp")[0]
+    assert out["strategy"] == "PipelineParallelStrategy" and out["global_step"] == 3
+    assert out["dims"].startswith("pipeline_parallel=2 x data_parallel_replicate=1 x data_parallel_shard=2")
+    assert math.isfinite(out["train_loss"]) and math.isfinite(out["val_loss"])
+    (checkpoint,) = out["checkpoints"]
+    target = tmp_path / "gpt.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lit_parallel.cli",
+        "consolidate",
+        checkpoint,
+        str(target),
+        "--strip-prefix",
+        "model.",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True)
+    state = torch.load(target, weights_only=True)
+    assert {"wte.weight", "h.0.attn.c_attn.weight", "h.1.mlp.c_proj.weight", "lm_head.weight"} <= set(state)
+
+
+def test_gpt_pp_config_parses_and_its_header_shows_every_launch(monkeypatch):
+    import shlex
+    import sys
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    import yaml
+
+    from tests.harness import REPO_ROOT
+
+    config = REPO_ROOT / "recipes/configs/gpt_pp.yaml"
+    header = [line[1:].strip() for line in config.read_text().splitlines() if line.startswith("#")]
+    commands = [shlex.split(h) for h in header if h.startswith(("python ", "torchrun ", "srun "))]
+    assert any(c[0] == "torchrun" and "--nnodes=2" in c and "--trainer.num_nodes=2" in c for c in commands)
+    assert any(c[0] == "srun" and "--trainer.num_nodes=2" in c for c in commands)
+    assert all("recipes/gpt.py" in c and "recipes/configs/gpt_pp.yaml" in c for c in commands)
+    assert sc.recipe_command()[0] == "recipes/gpt.py"
+    sys.path.insert(0, str(REPO_ROOT / "recipes"))
+    import gpt
+
+    monkeypatch.setattr(sys, "argv", ["gpt.py"])
+    out = StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        gpt.main(["fit", "--config", str(config), "--print_config"])
+    parsed = yaml.safe_load(out.getvalue())
+    assert parsed["trainer"]["strategy"]["class_path"] == "lit_parallel.PipelineParallelStrategy"
+    assert parsed["trainer"]["strategy"]["init_args"]["pipeline_parallel_size"] == 2
+    assert parsed["trainer"]["devices"] == 4

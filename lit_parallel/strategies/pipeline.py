@@ -292,7 +292,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             self.precision_plugin.train_step_context() if train else self.precision_plugin.val_step_context()
         ):
             loss = self._run(batch, train)
-        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=False)
+        # equal on every rank already; sync_dist for evaluation only silences Lightning's epoch-level warning
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=not train)
         return loss
 
     @override
