@@ -162,3 +162,20 @@ def test_parameters_sitting_on_the_root_module_are_refused():
     model = WithToken()
     with pytest.raises(ValueError, match=r"parameters \['cls_token'\] sit directly on the root module"):
         plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="GPipe", microbatches=2)
+
+
+def test_pipeline_rule_holds_only_when_the_model_fits_cut_into_stages_across_nodes():
+    from lit_parallel.parallel.advisor import advise
+    from lit_parallel.parallel.pipeline_advice import pipeline_check, pipeline_plan_for
+
+    # bf16-mixed Adam: 16 bytes per parameter; sharded over one node's 8 devices: 2 bytes x params per rank
+    big = advise(params=70e9, devices=8, nodes=4, memory_gb=80, precision="bf16-mixed")
+    holds, why = pipeline_check(big)
+    assert holds is True  # 140 GB per rank inside a node; 2 stages of 2 nodes: 70 GB <= 80 GB
+    assert "pipeline_parallel_size=2" in why and "microbatches=8" in why and "= 11%" in why  # 1 / 9
+    assert pipeline_plan_for(140e9, 0.0, 80e9, 4) == 2 and pipeline_plan_for(140e9, 0.0, 30e9, 4) is None
+    assert pipeline_check(advise(params=7e9, devices=8, nodes=4, memory_gb=80))[0] is False  # 14 GB fits
+    assert pipeline_check(advise(params=70e9, devices=8, nodes=1, memory_gb=80))[0] is False  # one node
+    assert (
+        pipeline_check(advise(params=700e9, devices=8, nodes=4, memory_gb=80))[0] is False
+    )  # 350 GB per stage
