@@ -289,3 +289,19 @@ def test_gpt_pp_config_parses_and_its_header_shows_every_launch(monkeypatch):
     assert parsed["trainer"]["strategy"]["class_path"] == "lit_parallel.PipelineParallelStrategy"
     assert parsed["trainer"]["strategy"]["init_args"]["pipeline_parallel_size"] == 2
     assert parsed["trainer"]["devices"] == 4
+
+
+@pytest.mark.timeout(1600)
+def test_test_runs_through_the_stages_and_reports_the_mean_loss_on_every_rank(run2):
+    ref = _reference(dp=1)
+    model = sc.build_model()
+    model.load_state_dict(ref["params"])
+    data = sc.lm_dataset(16, seed=1)
+    with torch.no_grad():
+        per_batch = [
+            sc.lm_loss(model, collate(data, range(i * BATCH, (i + 1) * BATCH))).item() for i in range(4)
+        ]
+    for out in run2.scenario("options"):
+        assert_rel_close(
+            torch.tensor(out["checkpointing"]["test_loss"]), torch.tensor(sum(per_batch) / 4), what="test"
+        )

@@ -269,12 +269,14 @@ def options(ctx):
             precision=precision,
         )
         t.fit(model, DataLoader(lm_dataset(), batch_size=4))
+        tested = t.test(model, DataLoader(lm_dataset(16, seed=1), batch_size=4), verbose=False)
         blocks = [m for n, m in model.named_modules() if n.startswith("model.h.") and n.count(".") == 2]
         out[label] = {
             "losses": rec.train,
             "params": local_params(model),
             "checkpointed": [getattr(b, "_lp_activation_checkpointing", False) for b in blocks],
             "plugin": type(t.precision_plugin).__name__,
+            "test_loss": tested[0]["test_loss"],
         }
     return out
 
