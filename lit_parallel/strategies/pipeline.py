@@ -15,6 +15,7 @@ The LightningModule contract: the strategy pipelines ``forward(inputs)``; the mo
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -78,6 +79,10 @@ def _default_split_batch(batch: Any) -> tuple[Any, Any]:
         f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; define"
         " pipeline_split_batch(batch) -> (inputs, targets) on the LightningModule"
     )
+
+
+def _run_by_the_pipeline(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("pp_dp runs training, validation and test steps through the pipeline, not this method")
 
 
 def _shapes(inputs: tuple, targets: Any, microbatches: int) -> tuple:
@@ -222,6 +227,10 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
                 " define pipeline_loss(self, output, targets) -> Tensor on the LightningModule (the mean loss"
                 " of one micro-batch; output is what forward returns)"
             )
+        for name in ("training_step", "validation_step", "test_step"):
+            # Lightning runs a loop only for a module that defines its step; the pipeline runs them instead
+            if not is_overridden(name, model):
+                setattr(model, name, types.MethodType(_run_by_the_pipeline, model))
         super().connect(model)
         if not is_overridden("configure_model", model) and any(True for _ in model.parameters()):
             self._plan(model)  # a split that cannot work fails before any process group
@@ -231,6 +240,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
     @override
     def _parallelize(self) -> None:
         assert self.model is not None
+        if self._stages:
+            return  # already cut into stages (fit, then test on the same Trainer)
         self._refuse_prebuilt_dtensors()
         self.model = self.precision_plugin.convert_module(self.model)
         self.pipeline_plan = plan = self._plan(self.model)

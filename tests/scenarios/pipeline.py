@@ -51,7 +51,7 @@ def lm_loss(model: torch.nn.Module, batch) -> torch.Tensor:
 
 
 class PipeModel(L.LightningModule):
-    """The pp_dp contract: forward(inputs) and pipeline_loss(output, targets)."""
+    """Only the pp_dp contract: forward(inputs) and pipeline_loss(output, targets); no *_step methods."""
 
     def __init__(self, lr: float = 0.1, momentum: float = 0.0, name: str = "gpt"):
         super().__init__()
@@ -64,16 +64,20 @@ class PipeModel(L.LightningModule):
     def pipeline_loss(self, output, targets):
         return F.cross_entropy(output.flatten(0, 1), targets.flatten())
 
-    def training_step(self, batch, batch_idx):  # used by the other strategies (checkpoint round trips)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+class PipeModelWithSteps(PipeModel):
+    """Also trains under the other strategies (checkpoint round trips), which call the steps."""
+
+    def training_step(self, batch, batch_idx):
         loss = self.pipeline_loss(self(batch[0]), batch[1])
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.pipeline_loss(self(batch[0]), batch[1]))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 class NoLossHook(L.LightningModule):
@@ -164,7 +168,7 @@ def missing_hook(ctx):
 
 
 def _epoch_fit(ctx, strategy, epochs, ckpt_path=None):
-    model = PipeModel(momentum=0.9)  # optimizer state to save and restore
+    model = PipeModelWithSteps(momentum=0.9)  # optimizer state to save and restore
     rec = LossRecorder()
     t = trainer(ctx, strategy, max_epochs=epochs, callbacks=[rec], limit_val_batches=0)
     t.fit(model, DataLoader(lm_dataset(16), batch_size=2), ckpt_path=ckpt_path)
