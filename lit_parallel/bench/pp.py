@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size={args.batch_size} must be divisible by every M in {counts}")
     from lit_parallel.bench.common import launch_and_report
 
+    if args.json and args.out == "bench-pp":
+        args.out = str(Path(args.json).resolve().parent)  # the plots next to the JSON
     forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _FORWARDED]
     code = launch_and_report("lit_parallel.bench.pp", args, forwarded, print_report)
     return code
