@@ -24,6 +24,7 @@ from lit_parallel.strategies import (
     ALL_STRATEGIES,
     AutoStrategy,
     HybridShardStrategy,
+    PipelineParallelStrategy,
     TensorParallelStrategy,
     TransformerFSDPStrategy,
     TunedDDPStrategy,
@@ -52,6 +53,7 @@ _register_strategies()
 __all__ = [
     "AutoStrategy",
     "HybridShardStrategy",
+    "PipelineParallelStrategy",
     "TensorParallelStrategy",
     "TransformerFSDPStrategy",
     "TunedDDPStrategy",

@@ -18,6 +18,10 @@ BENCHMARKS = {
         "fsdp_blocks vs Lightning's ModelParallelStrategy (hand-written configure_model) vs ddp_tuned",
     ),
     "tp": ("lit_parallel.bench.tp", "tp_dp (tensor + data parallel) vs fsdp_blocks on the same model"),
+    "pp": (
+        "lit_parallel.bench.pp",
+        "pipeline bubble per rank vs (P-1)/(M+P-1), GPipe and 1F1B, timeline plot",
+    ),
     "callbacks": (
         "lit_parallel.bench.callbacks",
         "cost of SetEpochCheck, CrossRankMetrics, PitfallReport and SyncBatchNormConversion per step and epoch",

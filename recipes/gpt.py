@@ -157,6 +157,10 @@ class GPTLanguageModel(L.LightningModule):
         logits = self(idx)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch under pp_dp (which pipelines ``forward`` and logs train/val loss)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)

@@ -24,6 +24,7 @@ PAGES = {
     lp.TransformerFSDPStrategy: "strategies/fsdp_blocks.md",
     lp.HybridShardStrategy: "strategies/hsdp.md",
     lp.TensorParallelStrategy: "strategies/tp_dp.md",
+    lp.PipelineParallelStrategy: "strategies/pp_dp.md",
     lp.AutoStrategy: "strategies/auto_parallel.md",
     lp.SetEpochCheck: "callbacks/set_epoch_check.md",
     lp.CrossRankMetrics: "callbacks/cross_rank_metrics.md",

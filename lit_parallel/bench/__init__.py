@@ -15,11 +15,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# name -> module; the strategy benchmarks run by default, "callbacks" on request
+# name -> module; the strategy benchmarks run by default, "pp" and "callbacks" on request
 BENCHMARKS = {
     "ddp": "lit_parallel.bench.ddp",
     "fsdp": "lit_parallel.bench.fsdp",
     "tp": "lit_parallel.bench.tp",
+    "pp": "lit_parallel.bench.pp",
     "callbacks": "lit_parallel.bench.callbacks",
 }
 DEFAULT = ("ddp", "fsdp", "tp")
@@ -31,6 +32,8 @@ QUICK = {
     + ["--warmup=2", "--repeats=1"],
     "tp": ["--dim=64", "--layers=2", "--heads=4", "--vocab=128", "--seq=16", "--global-batch=4", "--steps=2"]
     + ["--warmup=2", "--repeats=1"],
+    "pp": ["--dim=32", "--layers=2", "--seq=8", "--batch-size=8", "--microbatches=2,4", "--steps=1"]
+    + ["--warmup=1"],
     "callbacks": ["--width=64", "--batch-size=16", "--steps=4", "--epochs=1", "--warmup=1", "--repeats=1"],
 }
 

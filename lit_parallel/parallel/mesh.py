@@ -31,6 +31,7 @@ DP_REPLICATE = "data_parallel_replicate"
 DP_SHARD = "data_parallel_shard"
 TP = "tensor_parallel"
 DP = "data_parallel"
+PP = "pipeline_parallel"
 # every name a data-parallel mesh dimension can have (metric reductions look for any of them)
 DATA_PARALLEL_DIMS = (DP, DP_REPLICATE, DP_SHARD)
 
@@ -46,6 +47,7 @@ __all__ = [
     "DP",
     "DP_REPLICATE",
     "DP_SHARD",
+    "PP",
     "TP",
     "ParallelDims",
     "check_size",
@@ -71,16 +73,21 @@ class ParallelDims:
         data_parallel_shard: number of ranks a parameter is sharded over; ``-1`` = whatever the other
             dimensions leave (``world_size // (data_parallel_replicate * tensor_parallel)``).
         tensor_parallel: tensor-parallel degree (1 = off).
+        pipeline_parallel: pipeline stages' ranks (1 = off); the outermost mesh dimension.
     """
 
     world_size: int
     data_parallel_replicate: int = 1
     data_parallel_shard: int = -1
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_dim: bool = (
+        False  # a pipeline_parallel mesh dimension even of size 1 (pp_dp with one stage rank)
+    )
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "data_parallel_replicate", "tensor_parallel"):
+        for name in ("world_size", "data_parallel_replicate", "tensor_parallel", "pipeline_parallel"):
             check_size(name, getattr(self, name))
         shard = self.data_parallel_shard
         if not isinstance(shard, int) or isinstance(shard, bool) or (shard < 1 and shard != -1):
@@ -88,6 +95,9 @@ class ParallelDims:
                 f"data_parallel_shard={shard!r} must be a positive integer or -1 (use the ranks left over)"
             )
         rep, tp, world = self.data_parallel_replicate, self.tensor_parallel, self.world_size
+        if self.pp_enabled:
+            self._check_with_pipeline(shard)
+            return
         if shard == -1:
             if world % (rep * tp) != 0:
                 raise ValueError(
@@ -187,6 +197,67 @@ class ParallelDims:
                 f" data_parallel_shard({dp // rep}), tensor_parallel_size={tp}, world size = {layout})"
             ) from None
 
+    def _check_with_pipeline(self, shard: int) -> None:
+        pp, rep, tp, world = (
+            self.pipeline_parallel,
+            self.data_parallel_replicate,
+            self.tensor_parallel,
+            self.world_size,
+        )
+        if shard == -1:
+            if world % (pp * rep * tp):
+                raise ValueError(
+                    f"pipeline_parallel({pp}) * data_parallel_replicate({rep}) * tensor_parallel({tp}) ="
+                    f" {pp * rep * tp} does not divide world size ({world}); choose sizes whose product divides"
+                    f" {world} (divisors: {format_choices(divisors(world))})"
+                )
+            shard = self.data_parallel_shard = world // (pp * rep * tp)
+        if pp * rep * shard * tp != world:
+            raise ValueError(
+                f"pipeline_parallel({pp}) * data_parallel_replicate({rep}) * data_parallel_shard({shard}) *"
+                f" tensor_parallel({tp}) = {pp * rep * shard * tp} != world size ({world}); the product of the"
+                " parallel sizes must equal the number of ranks"
+            )
+
+    @classmethod
+    def for_pipeline(
+        cls,
+        *,
+        world_size: int,
+        pipeline_parallel: int,
+        data_parallel: Size = "auto",
+        data_parallel_replicate: int = 1,
+        tensor_parallel: int = 1,
+    ) -> ParallelDims:
+        """Dims for pipeline parallelism (outermost) x data parallelism (FSDP/HSDP) x tensor parallelism."""
+        pp, tp, rep = pipeline_parallel, tensor_parallel, data_parallel_replicate
+        if world_size % (pp * tp):
+            raise ValueError(
+                f"pipeline_parallel_size({pp}) * tensor_parallel_size({tp}) = {pp * tp} does not divide the world"
+                f" size {world_size}; choose sizes whose product divides {world_size}"
+                f" (divisors: {format_choices(divisors(world_size))})"
+            )
+        dp = world_size // (pp * tp) if data_parallel == "auto" else data_parallel
+        if pp * dp * tp != world_size:
+            raise ValueError(
+                f"pipeline_parallel_size({pp}) * data_parallel_size({dp}) * tensor_parallel_size({tp}) ="
+                f" {pp * dp * tp} != world size {world_size}; use data_parallel_size='auto' or"
+                f" {world_size // (pp * tp)}"
+            )
+        if dp % rep:
+            raise ValueError(
+                f"data_parallel_replicate_size={rep} does not divide data_parallel_size={dp} (the data-parallel"
+                f" ranks are replicate x shard); choose {format_choices(divisors(dp))}"
+            )
+        return cls(
+            world_size=world_size,
+            data_parallel_replicate=rep,
+            data_parallel_shard=dp // rep,
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            pipeline_dim=True,
+        )
+
     # --- sizes --------------------------------------------------------------------------------------------
 
     @property
@@ -203,6 +274,11 @@ class ParallelDims:
         return self.tensor_parallel > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        """The mesh has a ``pipeline_parallel`` dimension."""
+        return self.pipeline_parallel > 1 or self.pipeline_dim
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         return (self.data_parallel_replicate, self.data_parallel_shard, self.tensor_parallel)
 
@@ -210,7 +286,8 @@ class ParallelDims:
     def mesh_dim_names(self) -> tuple[str, ...]:
         """Dimensions of the mesh :meth:`build_mesh` creates: ``(data_parallel, tensor_parallel)`` (as
         Lightning's ModelParallelStrategy) unless data parallelism is split into replicate x shard."""
-        return (DP_REPLICATE, DP_SHARD, TP) if self.replicate_enabled else (DP, TP)
+        names = (DP_REPLICATE, DP_SHARD, TP) if self.replicate_enabled else (DP, TP)
+        return (PP, *names) if self.pp_enabled else names
 
     @property
     def fsdp_dim_names(self) -> tuple[str, ...]:
@@ -237,11 +314,13 @@ class ParallelDims:
                 f" {dist.get_world_size()}"
             )
         shared = _MESHES_BY_GROUP.setdefault(dist.group.WORLD, {}) if dist.is_initialized() else {}
-        key = (self.shape, self.replicate_enabled, device_type)
+        key = (self.shape, self.replicate_enabled, device_type, self.pipeline_parallel, self.pp_enabled)
         if key in shared:
             self._mesh = shared[key]
             return self._mesh
-        if not self.replicate_enabled:
+        if self.pp_enabled:
+            mesh = self._build_pipeline_mesh(device_type)
+        elif not self.replicate_enabled:
             mesh = init_device_mesh(
                 device_type, (self.data_parallel, self.tensor_parallel), mesh_dim_names=(DP, TP)
             )
@@ -249,6 +328,20 @@ class ParallelDims:
             mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=(DP_REPLICATE, DP_SHARD, TP))
             flatten_mesh(mesh[(DP_REPLICATE, DP_SHARD)], DP)
         self._mesh = shared[key] = mesh
+        return mesh
+
+    def _build_pipeline_mesh(self, device_type: str) -> DeviceMesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not self.replicate_enabled:
+            shape = (self.pipeline_parallel, self.data_parallel, self.tensor_parallel)
+            return init_device_mesh(device_type, shape, mesh_dim_names=(PP, DP, TP))
+        mesh = init_device_mesh(
+            device_type,
+            (self.pipeline_parallel, *self.shape),
+            mesh_dim_names=(PP, DP_REPLICATE, DP_SHARD, TP),
+        )
+        flatten_mesh(mesh[(DP_REPLICATE, DP_SHARD)], DP)
         return mesh
 
     @property
@@ -281,7 +374,8 @@ class ParallelDims:
         return {"num_replicas": self.data_parallel, "rank": self.data_parallel_mesh().get_local_rank()}
 
     def describe(self) -> str:
-        return (
+        pp = f"pipeline_parallel={self.pipeline_parallel} x " if self.pp_enabled else ""
+        return pp + (
             f"data_parallel_replicate={self.data_parallel_replicate} x data_parallel_shard="
             f"{self.data_parallel_shard} x tensor_parallel={self.tensor_parallel} (world size {self.world_size})"
         )

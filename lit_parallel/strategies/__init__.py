@@ -4,6 +4,7 @@ from lit_parallel.strategies.auto import AutoStrategy  # issue 6: chooses among 
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
+from lit_parallel.strategies.pipeline import PipelineParallelStrategy  # issue 14
 from lit_parallel.strategies.tensor_parallel import TensorParallelStrategy  # issue 4
 
 # Every strategy here is registered in Lightning's StrategyRegistry when lit_parallel is imported.
@@ -12,6 +13,7 @@ ALL_STRATEGIES = (
     TransformerFSDPStrategy,
     HybridShardStrategy,
     TensorParallelStrategy,
+    PipelineParallelStrategy,
     AutoStrategy,
 )
 
@@ -19,6 +21,7 @@ __all__ = [
     "ALL_STRATEGIES",
     "AutoStrategy",
     "HybridShardStrategy",
+    "PipelineParallelStrategy",
     "TensorParallelStrategy",
     "TransformerFSDPStrategy",
     "TunedDDPStrategy",

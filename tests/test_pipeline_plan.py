@@ -1,0 +1,181 @@
+"""Pipeline plans, schedules and sizes without a process group: the stage split, the checks that refuse a
+configuration before anything starts, and the ParallelDims layout."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import lit_parallel as lp
+from lit_parallel.parallel.blocks import find_transformer_blocks
+from lit_parallel.parallel.mesh import PP, ParallelDims
+from lit_parallel.parallel.pipeline import (
+    SCHEDULES,
+    balanced_split,
+    bubble_fraction,
+    check_schedule,
+    plan_pipeline,
+    stage_to_rank,
+)
+from tests.models import GPT, GPTConfig
+
+
+def _brute_force(weights: list[int], parts: int) -> int:
+    best = None
+    for cuts in itertools.combinations(range(1, len(weights)), parts - 1):
+        bounds = [0, *cuts, len(weights)]
+        heaviest = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = heaviest if best is None else min(best, heaviest)
+    return best
+
+
+@pytest.mark.parametrize(
+    "weights, parts",
+    [([5, 1, 1, 1, 1, 5], 2), ([3, 3, 3, 3], 4), ([10, 1, 1, 1, 1, 1, 1, 10], 3), ([1, 2, 3, 4, 5, 6, 7], 3)],
+)
+def test_balanced_split_minimises_the_heaviest_stage(weights, parts):
+    starts = balanced_split(weights, parts)
+    bounds = [*starts, len(weights)]
+    assert starts[0] == 0 and len(starts) == parts and all(a < b for a, b in zip(bounds, bounds[1:]))
+    assert max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])) == _brute_force(weights, parts)
+
+
+def test_auto_split_puts_embeddings_first_head_last_and_balances_parameters():
+    model = GPT(GPTConfig(n_layer=4))
+    plan = plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="1F1B", microbatches=4)
+    first, last = plan.stages
+    assert first.prefix == ["wte", "wpe"] and first.blocks == ["h.0", "h.1"] and first.suffix == []
+    assert last.blocks == ["h.2", "h.3"] and last.suffix == ["ln_f", "lm_head"]
+    total = sum(p.numel() for p in model.parameters())
+    assert first.params + last.params == total
+    block = sum(p.numel() for p in model.h[0].parameters())
+    assert first.params == 2 * block + model.wte.weight.numel() + model.wpe.weight.numel()
+
+
+def test_interleaved_schedules_get_two_stages_per_rank_looped_or_v_shaped():
+    model = GPT(GPTConfig(n_layer=8))
+    blocks = find_transformer_blocks(model)
+    looped = plan_pipeline(model, blocks, pp_size=2, schedule="Interleaved1F1B", microbatches=4)
+    assert [s.rank for s in looped.stages] == [0, 1, 0, 1]
+    v = plan_pipeline(model, blocks, pp_size=2, schedule="ZBVZeroBubble", microbatches=4)
+    assert [s.rank for s in v.stages] == [0, 1, 1, 0]
+    assert stage_to_rank(6, 3, "v") == {0: 0, 1: 1, 2: 2, 3: 2, 4: 1, 5: 0}
+
+
+def test_split_by_names_overrides_and_wrong_names_are_refused():
+    model = GPT(GPTConfig(n_layer=4))
+    blocks = find_transformer_blocks(model)
+    plan = plan_pipeline(model, blocks, pp_size=2, schedule="GPipe", microbatches=2, split=["h.3"])
+    assert [s.blocks for s in plan.stages] == [["h.0", "h.1", "h.2"], ["h.3"]]
+    with pytest.raises(ValueError, match=r"'h\.9', which is not a block; stages start at blocks: h\.0"):
+        plan_pipeline(model, blocks, pp_size=2, schedule="GPipe", microbatches=2, split=["h.9"])
+    with pytest.raises(ValueError, match="names 2 stage starts; 2 stages need 1"):
+        plan_pipeline(model, blocks, pp_size=2, schedule="GPipe", microbatches=2, split=["h.1", "h.2"])
+
+
+def test_tied_weights_across_stages_are_refused():
+    model = GPT(GPTConfig(n_layer=2))
+    model.lm_head.weight = model.wte.weight
+    with pytest.raises(ValueError, match="tied weights cannot be split across pipeline stages"):
+        plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="GPipe", microbatches=2)
+
+
+def test_more_stages_than_blocks_is_refused():
+    model = GPT(GPTConfig(n_layer=2))
+    with pytest.raises(ValueError, match="cannot cut 2 blocks into 4 stages"):
+        plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="LoopedBFS", microbatches=2)
+
+
+def test_plan_table_is_one_short_table():
+    model = GPT(GPTConfig(n_layer=4))
+    table = plan_pipeline(
+        model, find_transformer_blocks(model), pp_size=2, schedule="GPipe", microbatches=8
+    ).table()
+    lines = table.splitlines()
+    assert len(lines) == 4 and "bubble (P-1)/(M+P-1) = 11%" in lines[0]  # 1 / 9
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, m, dp, message",
+    [
+        ("Zero", 2, 4, 1, "is not a pipeline schedule; choose one of GPipe, 1F1B"),
+        ("1F1B", 4, 2, 1, "microbatches=2 < pipeline_parallel_size=4"),
+        ("DualPipeV", 2, 2, 1, "needs microbatches >= the number of stages"),
+        ("Interleaved1F1B", 2, 5, 1, "must be a multiple of"),
+        ("ZBVZeroBubble", 2, 4, 2, "zero-bubble schedules compute weight gradients"),
+    ],
+)
+def test_schedule_refusals_name_the_value_and_the_fix(schedule, pp, m, dp, message):
+    with pytest.raises(ValueError, match=message):
+        check_schedule(schedule, pp, m, dp)
+
+
+def test_every_schedule_of_torch_is_known():
+    import torch.distributed.pipelining as pipelining
+
+    assert all(hasattr(pipelining, cls) for cls, _, _ in SCHEDULES.values())
+    assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
+
+
+def test_parallel_dims_for_pipeline_put_the_pipeline_dimension_outermost():
+    dims = ParallelDims.for_pipeline(world_size=8, pipeline_parallel=2, tensor_parallel=2)
+    assert dims.data_parallel == 2 and dims.mesh_dim_names == (PP, "data_parallel", "tensor_parallel")
+    hsdp = ParallelDims.for_pipeline(world_size=8, pipeline_parallel=2, data_parallel_replicate=2)
+    assert hsdp.mesh_dim_names[0] == PP and hsdp.data_parallel_shard == 2
+    one = ParallelDims.for_pipeline(world_size=2, pipeline_parallel=1)
+    assert one.mesh_dim_names[0] == PP  # pp_dp keeps the dimension (size 1) so lookups by name work
+    with pytest.raises(
+        ValueError, match=r"pipeline_parallel_size\(3\) \* tensor_parallel_size\(1\) = 3 does not"
+    ):
+        ParallelDims.for_pipeline(world_size=4, pipeline_parallel=3)
+    with pytest.raises(ValueError, match=r"= 8 != world size 4"):
+        ParallelDims.for_pipeline(world_size=4, pipeline_parallel=2, data_parallel=4)
+
+
+def test_strategy_arguments_are_checked_when_built():
+    with pytest.raises(ValueError, match="pipeline_parallel_size=0 must be a positive integer"):
+        lp.PipelineParallelStrategy(pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="split='even' must be 'auto' or a list of block names"):
+        lp.PipelineParallelStrategy(split="even")
+    with pytest.raises(ValueError, match="microbatches=1 < pipeline_parallel_size=2"):
+        lp.PipelineParallelStrategy(microbatches=1)
+    s = lp.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="GPipe", microbatches=1, split=["h.1"])
+    assert s.strategy_name == "pp_dp"
+
+
+def test_registered_as_pp_dp():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["pp_dp"]["strategy"] is lp.PipelineParallelStrategy
+
+
+def test_parameters_sitting_on_the_root_module_are_refused():
+    class WithToken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.zeros(4))
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(2))
+
+    model = WithToken()
+    with pytest.raises(ValueError, match=r"parameters \['cls_token'\] sit directly on the root module"):
+        plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="GPipe", microbatches=2)
+
+
+def test_pipeline_rule_holds_only_when_the_model_fits_cut_into_stages_across_nodes():
+    from lit_parallel.parallel.advisor import advise
+    from lit_parallel.parallel.pipeline_advice import pipeline_check, pipeline_plan_for
+
+    # bf16-mixed Adam: 16 bytes per parameter; sharded over one node's 8 devices: 2 bytes x params per rank
+    big = advise(params=70e9, devices=8, nodes=4, memory_gb=80, precision="bf16-mixed")
+    holds, why = pipeline_check(big)
+    assert holds is True  # 140 GB per rank inside a node; 2 stages of 2 nodes: 70 GB <= 80 GB
+    assert "pipeline_parallel_size=2" in why and "microbatches=8" in why and "= 11%" in why  # 1 / 9
+    assert pipeline_plan_for(140e9, 0.0, 80e9, 4) == 2 and pipeline_plan_for(140e9, 0.0, 30e9, 4) is None
+    assert pipeline_check(advise(params=7e9, devices=8, nodes=4, memory_gb=80))[0] is False  # 14 GB fits
+    assert pipeline_check(advise(params=70e9, devices=8, nodes=1, memory_gb=80))[0] is False  # one node
+    assert (
+        pipeline_check(advise(params=700e9, devices=8, nodes=4, memory_gb=80))[0] is False
+    )  # 350 GB per stage
