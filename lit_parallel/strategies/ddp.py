@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from datetime import timedelta
 from typing import Any, Literal
@@ -40,6 +41,11 @@ _UNUSED_FIX = (
 )
 
 
+# torch._dynamo's DDPOptimizer (compiled modules inside DDP) assumes DDP's default 1 MiB first bucket and
+# asserts that DDP's largest bucket cap is at least that.
+_DYNAMO_MIN_CAP = MiB
+
+
 class TunedDDPStrategy(DDPStrategy):
     """DDP with measured bucket sizes, probed unused-parameter detection and gradient compression.
 
@@ -55,15 +61,18 @@ class TunedDDPStrategy(DDPStrategy):
             bucket.
         gradient_as_bucket_view: gradients are views into the communication buckets (saves one copy
             and the memory of one gradient set). Default ``True``.
-        find_unused_parameters: ``"auto"`` (default) makes the first optimizer step the probe: it runs
-            without the DDP wrapper, its gradients are averaged across ranks by hand exactly as DDP
-            would, and the parameters that got no gradient on any rank decide. No extra forward or
-            backward is run, so parameters, buffers, optimizer, metrics and RNG states evolve exactly
-            as with a fixed setting. If every trainable parameter is used, DDP runs with
-            ``find_unused_parameters=False``; otherwise the unused names are logged and detection is
-            turned on. ``True``/``False`` override. The probe cannot see parameters used only on some
+        find_unused_parameters: ``"auto"`` (default) makes the first optimizer step the probe: the model
+            is DDP-wrapped as usual (``trainer.model`` is the ``DistributedDataParallel`` module from
+            ``on_fit_start`` on), the probe step runs with DDP's gradient sync off (as in ``no_sync``),
+            its gradients are averaged across ranks by hand exactly as DDP would, and the parameters that
+            got no gradient on any rank decide. No extra forward or backward is run, so parameters,
+            buffers, optimizer, metrics and RNG states evolve exactly as with a fixed setting. If every
+            trainable parameter is used, DDP keeps ``find_unused_parameters=False``; otherwise the unused
+            names are logged and, after the probe's optimizer step, a new DDP wrapper of the same module runs with
+            detection on. ``True``/``False`` override. The probe cannot see parameters used only on some
             steps: such a model fails with an error that names the fix (``find_unused_parameters=True``).
-            Manual optimization skips the probe (``False``).
+            Manual optimization and ``static_graph=True`` (which finds unused parameters itself) skip the
+            probe (``False``).
         static_graph: DDP's static-graph mode (explicit opt-in). Refused with
             ``accumulate_grad_batches > 1``, where DDP's reducer hits an internal assert.
         comm_hook: ``None`` (DDP's built-in all-reduce), ``"allreduce"`` (the same in Python, which lets
@@ -206,16 +215,23 @@ class TunedDDPStrategy(DDPStrategy):
         self._apply_compile(self.model)
         self._choose_buckets(self.model)
         lm = self.lightning_module
-        if self._find_unused == "auto" and lm is not None and lm.automatic_optimization:
-            # The first optimizer step is the probe: it runs without DDP, its gradients are averaged by
-            # hand (as DDP would) and show which parameters training uses; DDP wraps the model after it.
-            # Every rank must hold rank 0's weights before that step and before any sanity validation.
-            _compat.sync_module_states(self.model)
-            self._probing = True
-            return
-        if self._find_unused == "auto":
+        probe = self._find_unused == "auto" and lm is not None and lm.automatic_optimization
+        if self._find_unused == "auto" and not probe:
             info("ddp_tuned: manual optimization, so no probe step: find_unused_parameters=False")
-        self._wrap(find_unused=bool(self._find_unused))
+        if probe and self._static_graph:
+            # DDP's static graph finds the parameters no step uses in its first iteration by itself
+            info("ddp_tuned: static_graph=True detects unused parameters itself: find_unused_parameters=False")
+            probe = False
+        # The model is DDP-wrapped here in every case (Lightning's contract: ``trainer.model`` is the
+        # DistributedDataParallel module from ``on_fit_start`` on).
+        self._wrap(find_unused=bool(self._find_unused) if not probe else False)
+        if probe:
+            # The first optimizer step is the probe: DDP's gradient sync is off for it (as in ``no_sync``),
+            # its gradients are averaged by hand exactly as DDP would and show which parameters training
+            # uses; no extra forward or backward runs.
+            assert isinstance(self.model, DistributedDataParallel)
+            self.model.require_backward_grad_sync = False
+            self._probing = True
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -224,12 +240,17 @@ class TunedDDPStrategy(DDPStrategy):
         if not self._probing or trainer is None or _compat.should_accumulate(trainer):
             return
         self._probing = False
+        assert isinstance(self.model, DistributedDataParallel)
+        # what DDP would have set after a synchronised forward: sync again from the next step on
+        self.model.require_backward_grad_sync = True
+        self.model.require_forward_param_sync = True
         lm = self.lightning_module
         named = [(n, p) for n, p in lm.named_parameters() if p.requires_grad]
         used = average_gradients([p for _, p in named])
         self.unused_parameters = [n for (n, _), u in zip(named, used) if not u]
-        self._wrap_next_batch = bool(self.unused_parameters)
         if self.unused_parameters:
+            # DDP's find_unused_parameters is fixed when it is built: a new wrapper after this optimizer step
+            self._wrap_next_batch = True
             shown = ", ".join(self.unused_parameters[:20])
             if len(self.unused_parameters) > 20:
                 shown += f" and {len(self.unused_parameters) - 20} more"
@@ -244,11 +265,22 @@ class TunedDDPStrategy(DDPStrategy):
             )
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._rewrap_if_decided()  # callbacks see the final wrapper from the probe's on_train_batch_end on
+        return output
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._rewrap_if_decided()
+        super().on_train_batch_start(batch, batch_idx)
+
+    def _rewrap_if_decided(self) -> None:
         if self._wrap_next_batch is not None:
             find_unused, self._wrap_next_batch = self._wrap_next_batch, None
-            self._wrap(find_unused=find_unused)
-        super().on_train_batch_start(batch, batch_idx)
+            # every rank already holds the same states: no broadcast at construction (it would overwrite
+            # per-rank buffers kept with forward_sync_buffers=False)
+            self._wrap(find_unused=find_unused, init_sync=False)
 
     @override
     def teardown(self) -> None:
@@ -300,6 +332,13 @@ class TunedDDPStrategy(DDPStrategy):
             measured = measure_allreduce(self.root_device)
             self.allreduce_measurement = broadcast_measurement(measured, src=0)
             self.bucket_plan = choose_bucket_sizes(self.allreduce_measurement, grad_bytes)
+        if self._compile is not False and self.bucket_plan.rest_bytes < _DYNAMO_MIN_CAP:
+            self.bucket_plan = dataclasses.replace(
+                self.bucket_plan,
+                rest_bytes=_DYNAMO_MIN_CAP,
+                reason=f"{self.bucket_plan.reason}; later buckets raised to 1 MiB for compile (torch's DDP"
+                " graph splitter needs the largest cap >= its 1 MiB first bucket)",
+            )
         info(f"ddp_tuned: bucket_cap_mb_list={self.bucket_plan.cap_mb_list}: {self.bucket_plan.reason}")
 
     def _ddp_bucket_kwargs(self) -> dict[str, Any]:
@@ -309,7 +348,7 @@ class TunedDDPStrategy(DDPStrategy):
             return {"bucket_cap_mb_list": list(self._bucket_cap_mb)}
         return {"bucket_cap_mb": self._bucket_cap_mb}
 
-    def _wrap(self, find_unused: bool) -> None:
+    def _wrap(self, find_unused: bool, init_sync: bool | None = None) -> None:
         kwargs = dict(self._ddp_kwargs)
         kwargs.update(self._ddp_bucket_kwargs())
         kwargs["gradient_as_bucket_view"] = self._gradient_as_bucket_view
@@ -318,7 +357,15 @@ class TunedDDPStrategy(DDPStrategy):
         if self._forward_sync_buffers is not None:
             kwargs["forward_sync_buffers"] = self._forward_sync_buffers
         self._ddp_kwargs = kwargs
-        self.model = self._setup_model(self.model)
+        module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        if init_sync is None:
+            self.model = self._setup_model(module)
+        else:  # Lightning's _setup_model passes _ddp_kwargs; the override holds for this one wrapper only
+            self._ddp_kwargs = {**kwargs, "init_sync": init_sync}
+            try:
+                self.model = self._setup_model(module)
+            finally:
+                self._ddp_kwargs = kwargs
         self._register_ddp_hooks()
 
     @override
@@ -373,7 +420,11 @@ class TunedDDPStrategy(DDPStrategy):
 
     @property
     def find_unused_parameters(self) -> bool | None:
-        """What DDP runs with (``None`` before the model is wrapped)."""
+        """What DDP runs with (``None`` before the model is wrapped and during the probe step)."""
+        if self._probing:
+            return None
+        if self._wrap_next_batch is not None:
+            return self._wrap_next_batch
         if isinstance(self.model, DistributedDataParallel):
             return self.model.find_unused_parameters
         return None
@@ -425,6 +476,12 @@ def _check_arguments(
         )
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile options")
+    caps = bucket_cap_mb if isinstance(bucket_cap_mb, list) else [bucket_cap_mb]
+    if compile is not False and bucket_cap_mb != "auto" and max(caps) < _DYNAMO_MIN_CAP / MiB:
+        raise ValueError(
+            f"bucket_cap_mb={bucket_cap_mb!r} with compile: torch's compiled-DDP graph splitter needs the largest"
+            " bucket cap to be at least 1 MiB (its first bucket); use bucket_cap_mb='auto' or a cap >= 1"
+        )
     if broadcast_buffers is not None:
         if forward_sync_buffers is not None:
             raise ValueError(
