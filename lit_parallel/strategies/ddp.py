@@ -157,6 +157,8 @@ class TunedDDPStrategy(DDPStrategy):
             ),
         )
         check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
+        if isinstance(find_unused_parameters, bool):  # where Lightning's DDPStrategy keeps it
+            kwargs["find_unused_parameters"] = find_unused_parameters
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
