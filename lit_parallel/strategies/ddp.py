@@ -222,7 +222,9 @@ class TunedDDPStrategy(DDPStrategy):
             info("ddp_tuned: manual optimization, so no probe step: find_unused_parameters=False")
         if probe and self._static_graph:
             # DDP's static graph finds the parameters no step uses in its first iteration by itself
-            info("ddp_tuned: static_graph=True detects unused parameters itself: find_unused_parameters=False")
+            info(
+                "ddp_tuned: static_graph=True detects unused parameters itself: find_unused_parameters=False"
+            )
             probe = False
         # The model is DDP-wrapped here in every case (Lightning's contract: ``trainer.model`` is the
         # DistributedDataParallel module from ``on_fit_start`` on).

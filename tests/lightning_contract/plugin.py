@@ -32,7 +32,9 @@ MODES = ("lightning", "ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_d
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lit_parallel contract")
-    group.addoption("--lit-strategy", choices=MODES, default="lightning", help="strategy substituted for Lightning's")
+    group.addoption(
+        "--lit-strategy", choices=MODES, default="lightning", help="strategy substituted for Lightning's"
+    )
     group.addoption("--lit-results", default=None, help="write every test's outcome to this JSON file")
 
 
@@ -62,7 +64,11 @@ def _name_substitutions(mode: str) -> list[tuple[Any, str, Any]]:
 
     if mode == "ddp_tuned":
         return [(m, "DDPStrategy", lp.TunedDDPStrategy) for m in (strategies, ddp_module)]
-    ours = {"fsdp_blocks": lp.TransformerFSDPStrategy, "hsdp": lp.HybridShardStrategy, "tp_dp": lp.TensorParallelStrategy}
+    ours = {
+        "fsdp_blocks": lp.TransformerFSDPStrategy,
+        "hsdp": lp.HybridShardStrategy,
+        "tp_dp": lp.TensorParallelStrategy,
+    }
     if mode in ours:
         return [(m, "ModelParallelStrategy", ours[mode]) for m in (strategies, mp_module)]
     return []

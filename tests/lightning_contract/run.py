@@ -91,8 +91,25 @@ def run_pytest(root: Path, mode: str, files: list[str], out: Path, timeout: int 
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # Lightning's tests may live in a read-only folder
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "pytest", "-p", "tests.lightning_contract.plugin", "-p", "no:cacheprovider"]
-    cmd += ["--lit-strategy", mode, "--lit-results", str(results), "-q", "-rN", "--no-header", "-o", "addopts="]
-    cmd += ["--rootdir", str(tests), f"--timeout={timeout}", "-c", os.devnull, "--continue-on-collection-errors"]
+    cmd += [
+        "--lit-strategy",
+        mode,
+        "--lit-results",
+        str(results),
+        "-q",
+        "-rN",
+        "--no-header",
+        "-o",
+        "addopts=",
+    ]
+    cmd += [
+        "--rootdir",
+        str(tests),
+        f"--timeout={timeout}",
+        "-c",
+        os.devnull,
+        "--continue-on-collection-errors",
+    ]
     for spec in WARNING_FILTERS:
         cmd += ["-W", spec]
     cmd += [str(tests / "tests_pytorch" / f) for f in files]
@@ -151,9 +168,15 @@ def compare(mode: str, ours: dict[str, str], theirs: dict[str, str]) -> Comparis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", nargs="+", default=["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp"])
-    parser.add_argument("--files", nargs="+", default=["core"], help="'core', 'all' or paths under tests_pytorch")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--strategies", nargs="+", default=["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp"]
+    )
+    parser.add_argument(
+        "--files", nargs="+", default=["core"], help="'core', 'all' or paths under tests_pytorch"
+    )
     parser.add_argument("--out", default="lightning-contract-results")
     parser.add_argument("--timeout", type=int, default=300, help="per test, seconds")
     args = parser.parse_args(argv)
