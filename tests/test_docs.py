@@ -38,6 +38,7 @@ GUIDES = [
     "launching.md",
     "checkpoints.md",
     "troubleshooting.md",
+    "compatibility.md",
     "recipes.md",
     "cli.md",
     "architecture.md",

@@ -4,7 +4,10 @@ The choice is made by the advisor's ordered rules (:data:`lit_parallel.parallel.
 table ``lit-parallel advise`` prints and the documentation shows) as soon as the model is known: under
 Lightning's launcher before it starts the other ranks, otherwise when the Trainer attaches the model
 (``connect``). That is before any process group exists, on every rank, from numbers every rank computes
-alike (parameter counts, world size, device memory).
+alike (parameter counts, world size, device memory). A model with no parameters then (layers built in
+``setup()``) is decided at Lightning's barrier right after the ``setup()`` hooks: until then this strategy
+runs as a ``DDPStrategy`` (its process group serves ``prepare_data`` and ``setup()``), and the chosen one
+takes the process group over.
 
 How the hand-over works, and why this way: Lightning fixes the Trainer's strategy when the Trainer is
 built, before the model is known, and offers no public way to replace it later. A proxy delegating every

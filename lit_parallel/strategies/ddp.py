@@ -12,7 +12,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -31,7 +30,8 @@ from lit_parallel.parallel.buckets import (
 )
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
-from lit_parallel.strategies.arguments import START_METHODS, check_bool, check_common, check_ddp_kwargs
+from lit_parallel.strategies.arguments import check_bool
+from lit_parallel.strategies.ddp_arguments import DYNAMO_MIN_CAP, check_arguments
 
 _UNUSED_FIX = (
     "TunedDDPStrategy's first training step (its probe) used every parameter, so DDP runs with"
@@ -39,11 +39,6 @@ _UNUSED_FIX = (
     " some steps). Fix: pass TunedDDPStrategy(find_unused_parameters=True)"
     " (or strategy='ddp_tuned_find_unused_parameters_true')."
 )
-
-
-# torch._dynamo's DDPOptimizer (compiled modules inside DDP) assumes DDP's default 1 MiB first bucket and
-# asserts that DDP's largest bucket cap is at least that.
-_DYNAMO_MIN_CAP = MiB
 
 
 class TunedDDPStrategy(DDPStrategy):
@@ -141,7 +136,7 @@ class TunedDDPStrategy(DDPStrategy):
         preemption_signal: PreemptionSignal = "auto",
         **kwargs: Any,
     ) -> None:
-        forward_sync_buffers = _check_arguments(
+        forward_sync_buffers = check_arguments(
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -155,6 +150,7 @@ class TunedDDPStrategy(DDPStrategy):
             process=dict(
                 process_group_backend=process_group_backend, timeout=timeout, start_method=start_method
             ),
+            own_names=inspect.signature(TunedDDPStrategy.__init__).parameters,
         )
         check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
         if isinstance(find_unused_parameters, bool):  # where Lightning's DDPStrategy keeps it
@@ -336,10 +332,10 @@ class TunedDDPStrategy(DDPStrategy):
             measured = measure_allreduce(self.root_device)
             self.allreduce_measurement = broadcast_measurement(measured, src=0)
             self.bucket_plan = choose_bucket_sizes(self.allreduce_measurement, grad_bytes)
-        if self._compile is not False and self.bucket_plan.rest_bytes < _DYNAMO_MIN_CAP:
+        if self._compile is not False and self.bucket_plan.rest_bytes < DYNAMO_MIN_CAP:
             self.bucket_plan = dataclasses.replace(
                 self.bucket_plan,
-                rest_bytes=_DYNAMO_MIN_CAP,
+                rest_bytes=DYNAMO_MIN_CAP,
                 reason=f"{self.bucket_plan.reason}; later buckets raised to 1 MiB for compile (torch's DDP"
                 " graph splitter needs the largest cap >= its 1 MiB first bucket)",
             )
@@ -448,75 +444,3 @@ class TunedDDPStrategy(DDPStrategy):
                 description=f"ddp_tuned with find_unused_parameters={value} (no probe)",
                 find_unused_parameters=value,
             )
-
-
-def _check_arguments(
-    *,
-    bucket_cap_mb: Any,
-    find_unused_parameters: Any,
-    static_graph: Any,
-    comm_hook: str | None,
-    powersgd_rank: int,
-    powersgd_warmup_steps: int,
-    compile: Any,
-    forward_sync_buffers: bool | None,
-    broadcast_buffers: bool | None,
-    ddp_kwargs: dict[str, Any],
-    process: dict[str, Any],
-) -> bool | None:
-    """TunedDDPStrategy's arguments, checked when it is built; returns ``forward_sync_buffers`` (the
-    deprecated ``broadcast_buffers`` mapped onto it). ``process``: backend, timeout, start method.
-    ``ddp_kwargs`` loses ``bucket_cap_mb_list=None`` (LightningCLI passes DDPStrategy's defaults)."""
-    _validate_bucket_cap(bucket_cap_mb)
-    if find_unused_parameters not in ("auto", True, False):
-        raise ValueError(f"find_unused_parameters={find_unused_parameters!r} must be 'auto', True or False")
-    if not isinstance(static_graph, bool):
-        raise ValueError(f"static_graph={static_graph!r} must be True or False")
-    validate_comm_hook(comm_hook, powersgd_rank=powersgd_rank, powersgd_warmup_steps=powersgd_warmup_steps)
-    if comm_hook is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
-        raise ValueError(
-            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_kwargs['ddp_comm_hook']!r} were both given;"
-            " pass only one of them"
-        )
-    if not isinstance(compile, (bool, dict)):
-        raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile options")
-    caps = bucket_cap_mb if isinstance(bucket_cap_mb, list) else [bucket_cap_mb]
-    if compile is not False and bucket_cap_mb != "auto" and max(caps) < _DYNAMO_MIN_CAP / MiB:
-        raise ValueError(
-            f"bucket_cap_mb={bucket_cap_mb!r} with compile: torch's compiled-DDP graph splitter needs the largest"
-            " bucket cap to be at least 1 MiB (its first bucket); use bucket_cap_mb='auto' or a cap >= 1"
-        )
-    if broadcast_buffers is not None:
-        if forward_sync_buffers is not None:
-            raise ValueError(
-                "broadcast_buffers and forward_sync_buffers were both given; pass only forward_sync_buffers"
-                " (broadcast_buffers is its deprecated name)"
-            )
-        rank_zero_deprecation(
-            "TunedDDPStrategy(broadcast_buffers=...) is deprecated (as in torch 2.13's DDP);"
-            f" use forward_sync_buffers={broadcast_buffers}"
-        )
-        forward_sync_buffers = broadcast_buffers
-    check_common(process_group_backend=process["process_group_backend"], timeout=process["timeout"])
-    if process["start_method"] not in START_METHODS:
-        raise ValueError(
-            f"start_method={process['start_method']!r} must be one of {', '.join(map(repr, START_METHODS))}"
-            " ('popen' runs the script again per rank; the others start processes from this one)"
-        )
-    own = inspect.signature(TunedDDPStrategy.__init__).parameters
-    check_ddp_kwargs("TunedDDPStrategy", ddp_kwargs, own_names=own)
-    return forward_sync_buffers
-
-
-def _validate_bucket_cap(value: Any) -> None:
-    if value == "auto":
-        return
-    values = value if isinstance(value, list) else [value]
-    ok = bool(values) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and v == v for v in values
-    )
-    if not ok:
-        raise ValueError(
-            f"bucket_cap_mb={value!r} must be 'auto', a positive number of MiB (e.g. 25) or a non-empty list"
-            " of positive MiB per bucket (e.g. [1, 25])"
-        )

@@ -82,10 +82,14 @@ def select_files(root: Path, which: str | list[str], mode: str) -> list[str]:
     )
 
 
-def run_pytest(root: Path, mode: str, files: list[str], out: Path, timeout: int = 300) -> dict[str, str]:
+def run_pytest(
+    root: Path, mode: str, files: list[str], out: Path, timeout: int = 300, reuse: bool = False
+) -> dict[str, str]:
     """Run ``files`` of Lightning's tests under ``mode``; returns nodeid -> outcome."""
     tests = root / "tests"
     results = out / f"{mode}.json"
+    if reuse and results.is_file():
+        return json.loads(results.read_text())["outcomes"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tests), env.get("PYTHONPATH", "")])
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # Lightning's tests may live in a read-only folder
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="lightning-contract-results")
     parser.add_argument("--timeout", type=int, default=300, help="per test, seconds")
+    parser.add_argument("--reuse", action="store_true", help="compare the results already in --out (no run)")
     args = parser.parse_args(argv)
     root, why = lightning_tests_root()
     if root is None:
@@ -190,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     per_mode = {m: select_files(root, which, m) for m in args.strategies}
     union = sorted({f for files in per_mode.values() for f in files})
     start = time.monotonic()
-    theirs = run_pytest(root, "lightning", union, out, args.timeout)
+    theirs = run_pytest(root, "lightning", union, out, args.timeout, args.reuse)
     print(f"lightning: {len(union)} files, {time.monotonic() - start:.0f}s", flush=True)
     comparisons = []
     for mode in args.strategies:
         start = time.monotonic()
-        ours = run_pytest(root, mode, per_mode[mode], out, args.timeout)
+        ours = run_pytest(root, mode, per_mode[mode], out, args.timeout, args.reuse)
         print(f"{mode}: {len(per_mode[mode])} files, {time.monotonic() - start:.0f}s", flush=True)
         comparisons.append(compare(mode, ours, theirs))
     report = {c.mode: {**c.__dict__} for c in comparisons}
