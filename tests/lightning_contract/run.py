@@ -36,13 +36,16 @@ WARNING_FILTERS = (
     "ignore:torch.distributed.nn.functional.all_gather is deprecated:FutureWarning",
     "ignore:`isinstance(treespec, LeafSpec)` is deprecated:FutureWarning",
 )
-# What `make test` runs: strategy, checkpointing and restore files (a few minutes on 2 cores).
-CORE_FILES = (
-    "strategies/test_ddp.py",
-    "strategies/test_registry.py",
-    "strategies/test_model_parallel.py",
-    "checkpointing/test_trainer_checkpoint.py",
-)
+# What `make test` runs, per strategy: the strategy, checkpointing and restore files where Lightning's tests
+# build the strategy that mode substitutes (a few minutes on 2 cores).
+_DDP_CORE = ("strategies/test_ddp.py", "strategies/test_registry.py")
+CORE_FILES: dict[str, tuple[str, ...]] = {
+    "ddp_tuned": (*_DDP_CORE, "checkpointing/test_torch_saving.py", "models/test_restore.py"),
+    "auto_parallel": _DDP_CORE,
+    "fsdp_blocks": ("strategies/test_model_parallel.py",),
+    "hsdp": ("strategies/test_model_parallel.py",),
+    "tp_dp": ("strategies/test_model_parallel.py",),
+}
 # Modes that substitute a strategy class name, and the name; the others substitute registry names.
 _NAMES = {
     "ddp_tuned": r"DDPStrategy|[\"']ddp",
@@ -71,7 +74,11 @@ def select_files(root: Path, which: str | list[str], mode: str) -> list[str]:
     file whose source names what ``mode`` substitutes."""
     tests = root / "tests" / "tests_pytorch"
     if which == "core":
-        return list(CORE_FILES)
+        return (
+            list(CORE_FILES[mode])
+            if mode in CORE_FILES
+            else sorted({f for v in CORE_FILES.values() for f in v})
+        )
     if which != "all":
         return list(which)
     pattern = "|".join(_NAMES.values()) if mode == "lightning" else _NAMES[mode]
