@@ -50,6 +50,7 @@ def run(tmp_path_factory):
         "bucket_choice",
         "compile_parity",
         "unused_on_later_step",
+        "static_graph_unused_head",
     ]
     return launch(
         [f"tests.scenarios.ddp:{n}" for n in names], WORLD, tmp_path_factory.mktemp("ddp"), timeout=400
@@ -120,6 +121,15 @@ def test_trainer_model_is_the_ddp_wrapper_from_fit_start_under_the_probe(run):
         # accumulation 2: batches 0 and 1 are the probe step; unused parameters found, so after its optimizer
         # step a new wrapper of the same LightningModule runs with find_unused_parameters=True
         assert r["seen"] == _expected_seen([None, None, True], [0, 0, 1])
+
+
+@pytest.mark.timeout(450)
+def test_static_graph_skips_the_probe_and_trains_a_model_with_an_unused_head(run):
+    out = run.scenario("static_graph_unused_head")
+    assert any("static_graph=True detects unused parameters itself" in m for m in out[0]["logs"])
+    for r in out:
+        assert r["seen"] == _expected_seen([False, False, False], [0, 0, 0])
+    _assert_parity(out, _reference(sc.make_net(0, aux_head=True), steps=4, clip=0.05), "static graph")
 
 
 @pytest.mark.timeout(450)

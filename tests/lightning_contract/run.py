@@ -1,6 +1,7 @@
 """Run Lightning's own tests with Lightning's strategies and with ours, and compare test by test.
 
     python -m tests.lightning_contract.run --strategies lightning ddp_tuned --files core
+    python -m tests.lightning_contract.run --files wide         # strategy, launcher, checkpoint, restore files
     python -m tests.lightning_contract.run --files all          # every file naming DDP / ModelParallel / "ddp"
 
 Each strategy runs in its own pytest process (:mod:`tests.lightning_contract.plugin`) over the same files;
@@ -46,6 +47,25 @@ CORE_FILES: dict[str, tuple[str, ...]] = {
     "hsdp": ("strategies/test_model_parallel.py",),
     "tp_dp": ("strategies/test_model_parallel.py",),
 }
+# `--files wide`: every strategy and launcher file, with the checkpointing, restore, accelerator-connector and
+# model-access files that build the substituted strategies (about an hour on 2 busy cores; `all` takes hours).
+WIDE_FILES = (
+    "strategies/test_common.py",
+    "strategies/test_ddp.py",
+    "strategies/test_ddp_integration.py",
+    "strategies/test_ddp_integration_comm_hook.py",
+    "strategies/test_model_parallel.py",
+    "strategies/test_model_parallel_integration.py",
+    "strategies/test_registry.py",
+    "strategies/launchers/test_multiprocessing.py",
+    "strategies/launchers/test_subprocess_script.py",
+    "checkpointing/test_checkpoint_callback_frequency.py",
+    "checkpointing/test_torch_saving.py",
+    "models/test_restore.py",
+    "overrides/test_distributed.py",
+    "trainer/connectors/test_accelerator_connector.py",
+    "trainer/properties/test_get_model.py",
+)
 # Modes that substitute a strategy class name, and the name; the others substitute registry names.
 _NAMES = {
     "ddp_tuned": r"DDPStrategy|[\"']ddp",
@@ -79,13 +99,12 @@ def select_files(root: Path, which: str | list[str], mode: str) -> list[str]:
             if mode in CORE_FILES
             else sorted({f for v in CORE_FILES.values() for f in v})
         )
-    if which != "all":
+    if which not in ("all", "wide"):
         return list(which)
     pattern = "|".join(_NAMES.values()) if mode == "lightning" else _NAMES[mode]
+    candidates = tests.rglob("test_*.py") if which == "all" else (tests / f for f in WIDE_FILES)
     return sorted(
-        str(p.relative_to(tests))
-        for p in tests.rglob("test_*.py")
-        if re.search(pattern, p.read_text(errors="replace"))
+        str(p.relative_to(tests)) for p in candidates if re.search(pattern, p.read_text(errors="replace"))
     )
 
 
@@ -196,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if root is None:
         print(f"skipped: {why}")
         return 0
-    which = args.files[0] if args.files in (["core"], ["all"]) else args.files
+    which = args.files[0] if args.files in (["core"], ["wide"], ["all"]) else args.files
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     per_mode = {m: select_files(root, which, m) for m in args.strategies}

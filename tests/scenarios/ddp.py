@@ -168,6 +168,16 @@ def unused_head(ctx) -> dict:
     }
 
 
+def static_graph_unused_head(ctx) -> dict:
+    """static_graph=True under find_unused_parameters='auto': no probe (DDP's static graph finds the unused
+    auxiliary head itself), clipping on."""
+    logs = _capture_logs()
+    model, seen = NetModule(make_net(0, aux_head=True)), _ModelSeen()
+    trainer = make_trainer(ctx, TunedDDPStrategy(static_graph=True), max_steps=4, clip=0.05, callbacks=[seen])
+    trainer.fit(model, DataLoader(make_dataset(), batch_size=4))
+    return {"losses": model.losses, "params": _state(model.net), "logs": logs.messages, "seen": seen.seen}
+
+
 def probe_leaves_no_trace(ctx) -> dict:
     """Dropout, BatchNorm and a torchmetrics metric: the probe must not change RNG, buffers or metric state."""
     out = {}
