@@ -116,3 +116,42 @@ def test_a_sharded_save_into_a_folder_that_is_not_a_checkpoint_is_refused_and_le
     # a new path inside it works
     trainer.save_checkpoint(folder / "checkpoint")
     assert {".metadata", "meta.pt"} <= {p.name for p in (folder / "checkpoint").iterdir()}
+
+
+class _ManualNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = torch.nn.Linear(4, 2)
+        self.seen: list = []
+
+    def on_train_start(self) -> None:
+        ddp = self.trainer.model
+        self.seen.append((type(ddp).__name__, getattr(ddp, "find_unused_parameters", None)))
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.net(batch[0]).pow(2).mean())
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(120)
+def test_manual_optimization_under_auto_runs_ddp_without_unused_parameter_detection():
+    # no probe step under manual optimization: DDP from the start, with find_unused_parameters=False
+    model = _ManualNet()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=lp.TunedDDPStrategy(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+    assert model.seen == [("DistributedDataParallel", False)]

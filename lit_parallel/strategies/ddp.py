@@ -224,7 +224,7 @@ class TunedDDPStrategy(DDPStrategy):
             probe = False
         # The model is DDP-wrapped here in every case (Lightning's contract: ``trainer.model`` is the
         # DistributedDataParallel module from ``on_fit_start`` on).
-        self._wrap(find_unused=bool(self._find_unused) if not probe else False)
+        self._wrap(find_unused=self._find_unused is True)  # "auto" without a probe, and the probe: False
         if probe:
             # The first optimizer step is the probe: DDP's gradient sync is off for it (as in ``no_sync``),
             # its gradients are averaged by hand exactly as DDP would and show which parameters training
