@@ -48,7 +48,7 @@ CORE_FILES: dict[str, tuple[str, ...]] = {
     "tp_dp": ("strategies/test_model_parallel.py",),
 }
 # `--files wide`: every strategy and launcher file, with the checkpointing, restore, accelerator-connector and
-# model-access files that build the substituted strategies (about an hour on 2 busy cores; `all` takes hours).
+# model-access files that build the substituted strategies (~20 minutes on 2 busy cores; `all` takes hours).
 WIDE_FILES = (
     "strategies/test_common.py",
     "strategies/test_ddp.py",
