@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test lint format bench docs clean
+.PHONY: install demo test lint format bench docs clean contract
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,15 @@ format: install
 test: lint
 	$(BIN)/python -m pytest tests
 
+# Lightning's own tests against our strategies, once with Lightning's strategies and once with each of ours
+# (docs/compatibility.md); Lightning's test sources are found through LIT_PARALLEL_LIGHTNING_TESTS or
+# ../shared/lightning-tests. `make test` runs the core files only; CONTRACT_FILES=wide (default: strategy,
+# launcher, checkpoint and restore files, ~20 min on 2 cores) or all (every file naming DDPStrategy, "ddp" or
+# ModelParallelStrategy: hours on 2 cores).
+CONTRACT_FILES ?= wide
+contract: install
+	$(BIN)/python -m tests.lightning_contract.run --files $(CONTRACT_FILES) --out contract-results
+
 bench: install
 	$(BIN)/lit-parallel bench all --out bench-results
 
@@ -40,4 +49,4 @@ docs: install
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache site
+	rm -rf $(VENV) build *.egg-info .pytest_cache site contract-results

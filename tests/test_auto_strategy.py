@@ -42,9 +42,27 @@ class TokenLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(strategy, world_size: int) -> tuple[L.Trainer, TokenLM]:
+class SetupBuiltLM(TokenLM):
+    """The same model, its layers built in ``setup()``: no parameters when the Trainer first sees it."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.losses = []
+
+    def setup(self, stage: str) -> None:
+        if not hasattr(self, "model"):
+            torch.manual_seed(0)
+            self.model = Llama()
+
+
+class NoParameters(L.LightningModule):
+    def validation_step(self, batch, batch_idx):
+        self.log("mean", batch[0].float().mean(), sync_dist=True)
+
+
+def _fit(strategy, world_size: int, module=TokenLM) -> tuple[L.Trainer, TokenLM]:
     torch.manual_seed(0)
-    model = TokenLM()
+    model = module()
     data = TensorDataset(torch.randint(0, 64, (32, 17), generator=torch.Generator().manual_seed(1)))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -60,14 +78,15 @@ def _fit(strategy, world_size: int) -> tuple[L.Trainer, TokenLM]:
     return trainer, model
 
 
-def _auto_vs_explicit(ctx, memory_gb, explicit) -> dict:
-    auto_trainer, auto_model = _fit(lp.AutoStrategy(memory_gb=memory_gb), ctx.world_size)
-    _, explicit_model = _fit(explicit, ctx.world_size)
+def _auto_vs_explicit(ctx, memory_gb, explicit, module=TokenLM) -> dict:
+    auto_trainer, auto_model = _fit(lp.AutoStrategy(memory_gb=memory_gb), ctx.world_size, module)
+    _, explicit_model = _fit(explicit, ctx.world_size, module)
     advice = auto_trainer.strategy.advice
     return {
         "class": type(auto_trainer.strategy).__name__,
         "recommendation": advice.recommendation,
         "rule": advice.rule.number,
+        "params": advice.params,
         "auto_losses": auto_model.losses,
         "explicit_losses": explicit_model.losses,
     }
@@ -88,13 +107,39 @@ def picks_tp_dp(ctx) -> dict:
     return _auto_vs_explicit(ctx, TINY, lp.TensorParallelStrategy())
 
 
+def setup_built_picks_fsdp_blocks(ctx) -> dict:
+    """Layers built in setup(): measured after it, on every rank, then trained like fsdp_blocks given."""
+    return _auto_vs_explicit(ctx, BETWEEN, lp.TransformerFSDPStrategy(), module=SetupBuiltLM)
+
+
+def no_parameters_validates(ctx) -> dict:
+    """A model with no parameters at all: nothing to shard, so ddp_tuned (no advice), and validate runs."""
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=ctx.world_size,
+        strategy=lp.AutoStrategy(),
+        logger=False,
+        enable_progress_bar=False,
+    )
+    data = TensorDataset(torch.arange(16.0).reshape(8, 2))
+    metrics = trainer.validate(NoParameters(), DataLoader(data, batch_size=2), verbose=False)
+    return {"class": type(trainer.strategy).__name__, "advice": trainer.strategy.advice, "metrics": metrics}
+
+
 # --- tests ------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     scenarios = [
-        f"tests.test_auto_strategy:{n}" for n in ("picks_ddp_tuned", "picks_fsdp_blocks", "picks_tp_dp")
+        f"tests.test_auto_strategy:{n}"
+        for n in (
+            "picks_ddp_tuned",
+            "picks_fsdp_blocks",
+            "picks_tp_dp",
+            "setup_built_picks_fsdp_blocks",
+            "no_parameters_validates",
+        )
     ]
     # Lightning's own launcher (`python train.py`): the strategy decides before it starts the other rank;
     # the in-process tests below cover the decision when the Trainer attaches the model (torchrun, SLURM).
@@ -109,6 +154,7 @@ def run(tmp_path_factory):
         ("picks_ddp_tuned", "TunedDDPStrategy", "ddp_tuned", 1),
         ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 4),
         ("picks_tp_dp", "TensorParallelStrategy", "tp_dp", 2),
+        ("setup_built_picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 4),
     ],
 )
 def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_like_it(
@@ -117,9 +163,19 @@ def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_
     for rank, r in enumerate(run.scenario(scenario)):
         assert (r["class"], r["recommendation"], r["rule"]) == (cls, name, rule), f"rank {rank}"
         assert len(r["auto_losses"]) == 3
+        assert r["params"] == 22_688  # the whole model measured, also when setup() builds it
         torch.testing.assert_close(
             torch.tensor(r["auto_losses"]), torch.tensor(r["explicit_losses"]), rtol=1e-6, atol=0
         )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+def test_a_model_without_parameters_gets_ddp_tuned_and_validates(run):
+    # 8 samples of (2i, 2i + 1) over 2 ranks, 4 each (the same count): the mean of every value 0..15 is 7.5
+    for rank, r in enumerate(run.scenario("no_parameters_validates")):
+        assert (r["class"], r["advice"]) == ("TunedDDPStrategy", None), f"rank {rank}"
+        assert r["metrics"] == [{"mean": pytest.approx(7.5)}]
 
 
 def test_auto_parallel_is_registered():

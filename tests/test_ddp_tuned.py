@@ -50,6 +50,7 @@ def run(tmp_path_factory):
         "bucket_choice",
         "compile_parity",
         "unused_on_later_step",
+        "static_graph_unused_head",
     ]
     return launch(
         [f"tests.scenarios.ddp:{n}" for n in names], WORLD, tmp_path_factory.mktemp("ddp"), timeout=400
@@ -97,6 +98,38 @@ def test_probe_leaves_rng_buffers_and_metrics_untouched(run):
         assert probed["metric_updates"] == plain["metric_updates"] == 4
         for key, value in plain["state"].items():
             assert torch.equal(probed["state"][key], value), key
+
+
+def _expected_seen(steps_find_unused: list, wrappers: list[int]) -> list[tuple]:
+    """(hook, class, is strategy.model, wraps the LightningModule, wrapper number, find_unused) per hook."""
+    rows = [("on_fit_start", 0, steps_find_unused[0]), ("on_train_start", 0, steps_find_unused[0])]
+    for b in range(3):
+        for hook in ("on_train_batch_start", "on_before_backward"):
+            rows.append((f"{hook}:{b}", wrappers[b], steps_find_unused[b]))
+    return [(hook, "DistributedDataParallel", True, True, w, f) for hook, w, f in rows]
+
+
+@pytest.mark.timeout(450)
+def test_trainer_model_is_the_ddp_wrapper_from_fit_start_under_the_probe(run):
+    """Lightning's contract after configure_ddp: trainer.model is the DDP wrapper at on_fit_start, on_train_start
+    and every step, also while the probe decides (find_unused_parameters reads None until then)."""
+    for r in run.scenario("probe_leaves_no_trace"):
+        # all parameters used: one wrapper for the whole run
+        assert r["auto"]["seen"] == _expected_seen([None, False, False], [0, 0, 0])
+        assert r["False"]["seen"] == _expected_seen([False, False, False], [0, 0, 0])
+    for r in run.scenario("unused_head"):
+        # accumulation 2: batches 0 and 1 are the probe step; unused parameters found, so after its optimizer
+        # step a new wrapper of the same LightningModule runs with find_unused_parameters=True
+        assert r["seen"] == _expected_seen([None, None, True], [0, 0, 1])
+
+
+@pytest.mark.timeout(450)
+def test_static_graph_skips_the_probe_and_trains_a_model_with_an_unused_head(run):
+    out = run.scenario("static_graph_unused_head")
+    assert any("static_graph=True detects unused parameters itself" in m for m in out[0]["logs"])
+    for r in out:
+        assert r["seen"] == _expected_seen([False, False, False], [0, 0, 0])
+    _assert_parity(out, _reference(sc.make_net(0, aux_head=True), steps=4, clip=0.05), "static graph")
 
 
 @pytest.mark.timeout(450)

@@ -39,6 +39,7 @@ GUIDES = [
     "launching.md",
     "checkpoints.md",
     "troubleshooting.md",
+    "compatibility.md",
     "recipes.md",
     "cli.md",
     "architecture.md",

@@ -4,7 +4,10 @@ The choice is made by the advisor's ordered rules (:data:`lit_parallel.parallel.
 table ``lit-parallel advise`` prints and the documentation shows) as soon as the model is known: under
 Lightning's launcher before it starts the other ranks, otherwise when the Trainer attaches the model
 (``connect``). That is before any process group exists, on every rank, from numbers every rank computes
-alike (parameter counts, world size, device memory).
+alike (parameter counts, world size, device memory). A model with no parameters then (layers built in
+``setup()``) is decided at Lightning's barrier right after the ``setup()`` hooks: until then this strategy
+runs as a ``DDPStrategy`` (its process group serves ``prepare_data`` and ``setup()``), and the chosen one
+takes the process group over.
 
 How the hand-over works, and why this way: Lightning fixes the Trainer's strategy when the Trainer is
 built, before the model is known, and offers no public way to replace it later. A proxy delegating every
@@ -37,6 +40,7 @@ from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.rng import capture_rng_state, restore_rng_state
 from lit_parallel.strategies.arguments import check_common, checked_argument_names, unknown_argument
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
@@ -139,6 +143,7 @@ class AutoStrategy(DDPStrategy):
         }
         self.advice: Advice | None = None
         self.chosen: ParallelStrategy | None = None
+        self._deferred = False
 
     @override
     def _configure_launcher(self) -> None:
@@ -147,15 +152,58 @@ class AutoStrategy(DDPStrategy):
 
     def _validate_before_launch(self, trainer: Any, model: Any) -> None:
         # Under Lightning's launcher the model is known before the other ranks start: decide now, and let
-        # the chosen strategy check its configuration before any rank is started.
-        if model is not None:
+        # the chosen strategy check its configuration before any rank is started. A model without
+        # parameters yet (built in ``setup()``) is decided on every rank after ``setup()`` instead.
+        if model is not None and _has_parameters(model):
             self._chosen_for(trainer, model)._validate_before_launch(trainer, model)
 
     @override
     def connect(self, model: Any) -> None:
         # Without Lightning's launcher (torchrun, SLURM) the model is first known here; the Trainer has
         # attached it (``fit`` does before connecting).
-        self._chosen_for(model.trainer, model).connect(model)
+        trainer = model.trainer
+        self._deferred = (self.chosen is None or trainer.strategy is self) and not _has_parameters(model)
+        if self._deferred:
+            info(
+                "auto_parallel: the model has no parameters yet (layers built in setup()?): the strategy is"
+                " chosen after the setup() hooks, when the model exists"
+            )
+            super().connect(model)
+            return
+        self._chosen_for(trainer, model).connect(model)
+
+    @override
+    def setup_distributed(self) -> None:
+        # only for a deferred decision: the process group exists for prepare_data and setup(), as always
+        self.reliability.setup_process_group(self, super().setup_distributed)
+
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        super().barrier(name, *args, **kwargs)
+        if name == "post_setup" and self._deferred:  # Lightning's barrier right after the setup() hooks
+            self._deferred = False
+            self._decide_after_setup()
+
+    def _decide_after_setup(self) -> None:
+        model = self.lightning_module
+        trainer = model.trainer
+        chosen = self._chosen_for(trainer, model)
+        chosen.connect(model)
+        # The chosen strategy takes over this process group and what was set up around it (the failure
+        # reporter, the preemption handler, ownership) instead of starting them a second time.
+        chosen.reliability = self.reliability  # type: ignore[attr-defined]
+        owns = self.reliability.owns_process_group
+        # Lightning's set-up re-seeds (``reset_seed``) as it did before setup(): keep the RNG where setup()
+        # left it, as it is under a strategy given explicitly
+        rng = capture_rng_state()
+        chosen.setup_environment()  # finds the process group; builds its device mesh
+        restore_rng_state(rng)
+        self.reliability.owns_process_group = owns
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()  # only while this strategy is still the Trainer's (a deferred decision failed)
+        self.reliability.teardown()
 
     def _chosen_for(self, trainer: Any, model: Any) -> ParallelStrategy:
         """The chosen strategy, built and made ``trainer.strategy`` the first time ``trainer`` asks."""
@@ -163,7 +211,8 @@ class AutoStrategy(DDPStrategy):
         # chosen strategy then, which holds the model trained so far. A new Trainer decides afresh.
         if self.chosen is None or trainer.strategy is self:
             advice = self.decide(model)
-            chosen = CANDIDATES[advice.recommendation](**self._kwargs_for(advice.recommendation))
+            name = advice.recommendation if advice is not None else "ddp_tuned"
+            chosen = CANDIDATES[name](**self._kwargs_for(name))
             self._hand_over(chosen)
             chosen.advice = advice  # type: ignore[attr-defined]
             self.advice, self.chosen = advice, chosen
@@ -195,8 +244,9 @@ class AutoStrategy(DDPStrategy):
             )
         return {**kwargs, **self._strategy_kwargs.get(name, {})}
 
-    def decide(self, model: Any) -> Advice:
-        """Measure ``model`` and the devices and apply the rules (no process group needed)."""
+    def decide(self, model: Any) -> Advice | None:
+        """Measure ``model`` and the devices and apply the rules (no process group needed); ``None`` for a
+        model without parameters (nothing to shard: ``ddp_tuned``)."""
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if precision not in PRECISIONS:
             raise ValueError(
@@ -210,6 +260,12 @@ class AutoStrategy(DDPStrategy):
             memory_gb = memory_bytes / GB
         block_types = self._block_types()
         measured = _measurable(model)
+        if not any(True for _ in measured.parameters()):
+            info(
+                "auto_parallel: the model has no parameters (also after setup() and configure_model()):"
+                " nothing to shard or replicate, so ddp_tuned (advice is None)"
+            )
+            return None
         advice = advise(
             model=measured,
             devices=self.num_processes,
@@ -239,6 +295,11 @@ class AutoStrategy(DDPStrategy):
             cls,
             description="Measures model and devices, then hands over to ddp_tuned, tp_dp, hsdp or fsdp_blocks",
         )
+
+
+def _has_parameters(model: torch.nn.Module) -> bool:
+    """Whether the model (or its ``configure_model`` layers) has parameters to measure now."""
+    return any(True for _ in _measurable(model).parameters())
 
 
 def _measurable(model: torch.nn.Module) -> torch.nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from datetime import timedelta
 from typing import Any, Literal
@@ -11,7 +12,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -31,7 +31,8 @@ from lit_parallel.parallel.buckets import (
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.resume import install_auto_resume
-from lit_parallel.strategies.arguments import START_METHODS, check_bool, check_common, check_ddp_kwargs
+from lit_parallel.strategies.arguments import check_bool
+from lit_parallel.strategies.ddp_arguments import DYNAMO_MIN_CAP, check_arguments
 
 _UNUSED_FIX = (
     "TunedDDPStrategy's first training step (its probe) used every parameter, so DDP runs with"
@@ -56,15 +57,18 @@ class TunedDDPStrategy(DDPStrategy):
             bucket.
         gradient_as_bucket_view: gradients are views into the communication buckets (saves one copy
             and the memory of one gradient set). Default ``True``.
-        find_unused_parameters: ``"auto"`` (default) makes the first optimizer step the probe: it runs
-            without the DDP wrapper, its gradients are averaged across ranks by hand exactly as DDP
-            would, and the parameters that got no gradient on any rank decide. No extra forward or
-            backward is run, so parameters, buffers, optimizer, metrics and RNG states evolve exactly
-            as with a fixed setting. If every trainable parameter is used, DDP runs with
-            ``find_unused_parameters=False``; otherwise the unused names are logged and detection is
-            turned on. ``True``/``False`` override. The probe cannot see parameters used only on some
+        find_unused_parameters: ``"auto"`` (default) makes the first optimizer step the probe: the model
+            is DDP-wrapped as usual (``trainer.model`` is the ``DistributedDataParallel`` module from
+            ``on_fit_start`` on), the probe step runs with DDP's gradient sync off (as in ``no_sync``),
+            its gradients are averaged across ranks by hand exactly as DDP would, and the parameters that
+            got no gradient on any rank decide. No extra forward or backward is run, so parameters,
+            buffers, optimizer, metrics and RNG states evolve exactly as with a fixed setting. If every
+            trainable parameter is used, DDP keeps ``find_unused_parameters=False``; otherwise the unused
+            names are logged and, after the probe's optimizer step, a new DDP wrapper of the same module runs with
+            detection on. ``True``/``False`` override. The probe cannot see parameters used only on some
             steps: such a model fails with an error that names the fix (``find_unused_parameters=True``).
-            Manual optimization skips the probe (``False``).
+            Manual optimization and ``static_graph=True`` (which finds unused parameters itself) skip the
+            probe (``False``).
         static_graph: DDP's static-graph mode (explicit opt-in). Refused with
             ``accumulate_grad_batches > 1``, where DDP's reducer hits an internal assert.
         comm_hook: ``None`` (DDP's built-in all-reduce), ``"allreduce"`` (the same in Python, which lets
@@ -137,7 +141,7 @@ class TunedDDPStrategy(DDPStrategy):
         auto_resume: bool = False,
         **kwargs: Any,
     ) -> None:
-        forward_sync_buffers = _check_arguments(
+        forward_sync_buffers = check_arguments(
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -151,9 +155,12 @@ class TunedDDPStrategy(DDPStrategy):
             process=dict(
                 process_group_backend=process_group_backend, timeout=timeout, start_method=start_method
             ),
+            own_names=inspect.signature(TunedDDPStrategy.__init__).parameters,
         )
         check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
         check_bool("auto_resume", auto_resume)
+        if isinstance(find_unused_parameters, bool):  # where Lightning's DDPStrategy keeps it
+            kwargs["find_unused_parameters"] = find_unused_parameters
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -214,16 +221,25 @@ class TunedDDPStrategy(DDPStrategy):
         self._apply_compile(self.model)
         self._choose_buckets(self.model)
         lm = self.lightning_module
-        if self._find_unused == "auto" and lm is not None and lm.automatic_optimization:
-            # The first optimizer step is the probe: it runs without DDP, its gradients are averaged by
-            # hand (as DDP would) and show which parameters training uses; DDP wraps the model after it.
-            # Every rank must hold rank 0's weights before that step and before any sanity validation.
-            _compat.sync_module_states(self.model)
-            self._probing = True
-            return
-        if self._find_unused == "auto":
+        probe = self._find_unused == "auto" and lm is not None and lm.automatic_optimization
+        if self._find_unused == "auto" and not probe:
             info("ddp_tuned: manual optimization, so no probe step: find_unused_parameters=False")
-        self._wrap(find_unused=bool(self._find_unused))
+        if probe and self._static_graph:
+            # DDP's static graph finds the parameters no step uses in its first iteration by itself
+            info(
+                "ddp_tuned: static_graph=True detects unused parameters itself: find_unused_parameters=False"
+            )
+            probe = False
+        # The model is DDP-wrapped here in every case (Lightning's contract: ``trainer.model`` is the
+        # DistributedDataParallel module from ``on_fit_start`` on).
+        self._wrap(find_unused=self._find_unused is True)  # "auto" without a probe, and the probe: False
+        if probe:
+            # The first optimizer step is the probe: DDP's gradient sync is off for it (as in ``no_sync``),
+            # its gradients are averaged by hand exactly as DDP would and show which parameters training
+            # uses; no extra forward or backward runs.
+            assert isinstance(self.model, DistributedDataParallel)
+            self.model.require_backward_grad_sync = False
+            self._probing = True
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -232,12 +248,17 @@ class TunedDDPStrategy(DDPStrategy):
         if not self._probing or trainer is None or _compat.should_accumulate(trainer):
             return
         self._probing = False
+        assert isinstance(self.model, DistributedDataParallel)
+        # what DDP would have set after a synchronised forward: sync again from the next step on
+        self.model.require_backward_grad_sync = True
+        self.model.require_forward_param_sync = True
         lm = self.lightning_module
         named = [(n, p) for n, p in lm.named_parameters() if p.requires_grad]
         used = average_gradients([p for _, p in named])
         self.unused_parameters = [n for (n, _), u in zip(named, used) if not u]
-        self._wrap_next_batch = bool(self.unused_parameters)
         if self.unused_parameters:
+            # DDP's find_unused_parameters is fixed when it is built: a new wrapper after this optimizer step
+            self._wrap_next_batch = True
             shown = ", ".join(self.unused_parameters[:20])
             if len(self.unused_parameters) > 20:
                 shown += f" and {len(self.unused_parameters) - 20} more"
@@ -252,11 +273,22 @@ class TunedDDPStrategy(DDPStrategy):
             )
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._rewrap_if_decided()  # callbacks see the final wrapper from the probe's on_train_batch_end on
+        return output
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._rewrap_if_decided()
+        super().on_train_batch_start(batch, batch_idx)
+
+    def _rewrap_if_decided(self) -> None:
         if self._wrap_next_batch is not None:
             find_unused, self._wrap_next_batch = self._wrap_next_batch, None
-            self._wrap(find_unused=find_unused)
-        super().on_train_batch_start(batch, batch_idx)
+            # every rank already holds the same states: no broadcast at construction (it would overwrite
+            # per-rank buffers kept with forward_sync_buffers=False)
+            self._wrap(find_unused=find_unused, init_sync=False)
 
     @override
     def teardown(self) -> None:
@@ -308,6 +340,13 @@ class TunedDDPStrategy(DDPStrategy):
             measured = measure_allreduce(self.root_device)
             self.allreduce_measurement = broadcast_measurement(measured, src=0)
             self.bucket_plan = choose_bucket_sizes(self.allreduce_measurement, grad_bytes)
+        if self._compile is not False and self.bucket_plan.rest_bytes < DYNAMO_MIN_CAP:
+            self.bucket_plan = dataclasses.replace(
+                self.bucket_plan,
+                rest_bytes=DYNAMO_MIN_CAP,
+                reason=f"{self.bucket_plan.reason}; later buckets raised to 1 MiB for compile (torch's DDP"
+                " graph splitter needs the largest cap >= its 1 MiB first bucket)",
+            )
         info(f"ddp_tuned: bucket_cap_mb_list={self.bucket_plan.cap_mb_list}: {self.bucket_plan.reason}")
 
     def _ddp_bucket_kwargs(self) -> dict[str, Any]:
@@ -317,7 +356,7 @@ class TunedDDPStrategy(DDPStrategy):
             return {"bucket_cap_mb_list": list(self._bucket_cap_mb)}
         return {"bucket_cap_mb": self._bucket_cap_mb}
 
-    def _wrap(self, find_unused: bool) -> None:
+    def _wrap(self, find_unused: bool, init_sync: bool | None = None) -> None:
         kwargs = dict(self._ddp_kwargs)
         kwargs.update(self._ddp_bucket_kwargs())
         kwargs["gradient_as_bucket_view"] = self._gradient_as_bucket_view
@@ -326,7 +365,15 @@ class TunedDDPStrategy(DDPStrategy):
         if self._forward_sync_buffers is not None:
             kwargs["forward_sync_buffers"] = self._forward_sync_buffers
         self._ddp_kwargs = kwargs
-        self.model = self._setup_model(self.model)
+        module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        if init_sync is None:
+            self.model = self._setup_model(module)
+        else:  # Lightning's _setup_model passes _ddp_kwargs; the override holds for this one wrapper only
+            self._ddp_kwargs = {**kwargs, "init_sync": init_sync}
+            try:
+                self.model = self._setup_model(module)
+            finally:
+                self._ddp_kwargs = kwargs
         self._register_ddp_hooks()
 
     @override
@@ -381,7 +428,11 @@ class TunedDDPStrategy(DDPStrategy):
 
     @property
     def find_unused_parameters(self) -> bool | None:
-        """What DDP runs with (``None`` before the model is wrapped)."""
+        """What DDP runs with (``None`` before the model is wrapped and during the probe step)."""
+        if self._probing:
+            return None
+        if self._wrap_next_batch is not None:
+            return self._wrap_next_batch
         if isinstance(self.model, DistributedDataParallel):
             return self.model.find_unused_parameters
         return None
@@ -401,69 +452,3 @@ class TunedDDPStrategy(DDPStrategy):
                 description=f"ddp_tuned with find_unused_parameters={value} (no probe)",
                 find_unused_parameters=value,
             )
-
-
-def _check_arguments(
-    *,
-    bucket_cap_mb: Any,
-    find_unused_parameters: Any,
-    static_graph: Any,
-    comm_hook: str | None,
-    powersgd_rank: int,
-    powersgd_warmup_steps: int,
-    compile: Any,
-    forward_sync_buffers: bool | None,
-    broadcast_buffers: bool | None,
-    ddp_kwargs: dict[str, Any],
-    process: dict[str, Any],
-) -> bool | None:
-    """TunedDDPStrategy's arguments, checked when it is built; returns ``forward_sync_buffers`` (the
-    deprecated ``broadcast_buffers`` mapped onto it). ``process``: backend, timeout, start method.
-    ``ddp_kwargs`` loses ``bucket_cap_mb_list=None`` (LightningCLI passes DDPStrategy's defaults)."""
-    _validate_bucket_cap(bucket_cap_mb)
-    if find_unused_parameters not in ("auto", True, False):
-        raise ValueError(f"find_unused_parameters={find_unused_parameters!r} must be 'auto', True or False")
-    if not isinstance(static_graph, bool):
-        raise ValueError(f"static_graph={static_graph!r} must be True or False")
-    validate_comm_hook(comm_hook, powersgd_rank=powersgd_rank, powersgd_warmup_steps=powersgd_warmup_steps)
-    if comm_hook is not None and ddp_kwargs.get("ddp_comm_hook") is not None:
-        raise ValueError(
-            f"comm_hook={comm_hook!r} and ddp_comm_hook={ddp_kwargs['ddp_comm_hook']!r} were both given;"
-            " pass only one of them"
-        )
-    if not isinstance(compile, (bool, dict)):
-        raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile options")
-    if broadcast_buffers is not None:
-        if forward_sync_buffers is not None:
-            raise ValueError(
-                "broadcast_buffers and forward_sync_buffers were both given; pass only forward_sync_buffers"
-                " (broadcast_buffers is its deprecated name)"
-            )
-        rank_zero_deprecation(
-            "TunedDDPStrategy(broadcast_buffers=...) is deprecated (as in torch 2.13's DDP);"
-            f" use forward_sync_buffers={broadcast_buffers}"
-        )
-        forward_sync_buffers = broadcast_buffers
-    check_common(process_group_backend=process["process_group_backend"], timeout=process["timeout"])
-    if process["start_method"] not in START_METHODS:
-        raise ValueError(
-            f"start_method={process['start_method']!r} must be one of {', '.join(map(repr, START_METHODS))}"
-            " ('popen' runs the script again per rank; the others start processes from this one)"
-        )
-    own = inspect.signature(TunedDDPStrategy.__init__).parameters
-    check_ddp_kwargs("TunedDDPStrategy", ddp_kwargs, own_names=own)
-    return forward_sync_buffers
-
-
-def _validate_bucket_cap(value: Any) -> None:
-    if value == "auto":
-        return
-    values = value if isinstance(value, list) else [value]
-    ok = bool(values) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and v == v for v in values
-    )
-    if not ok:
-        raise ValueError(
-            f"bucket_cap_mb={value!r} must be 'auto', a positive number of MiB (e.g. 25) or a non-empty list"
-            " of positive MiB per bucket (e.g. [1, 25])"
-        )

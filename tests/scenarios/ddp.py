@@ -144,10 +144,16 @@ def parity(ctx) -> dict:
 def unused_head(ctx) -> dict:
     """A net with an auxiliary head used only in validation trains under default settings."""
     logs = _capture_logs()
-    model, info = NetModule(make_net(0, aux_head=True)), _DDPInfo()
+    model, info, seen = NetModule(make_net(0, aux_head=True)), _DDPInfo(), _ModelSeen()
     aux_before = _state(model.net.aux)
     trainer = make_trainer(
-        ctx, TunedDDPStrategy(), max_steps=5, accumulate=2, clip=0.05, val_check_interval=4, callbacks=[info]
+        ctx,
+        TunedDDPStrategy(),
+        max_steps=5,
+        accumulate=2,
+        clip=0.05,
+        val_check_interval=4,
+        callbacks=[info, seen],
     )
     ds = make_dataset()
     trainer.fit(model, DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=8))
@@ -158,7 +164,18 @@ def unused_head(ctx) -> dict:
         "find_unused": info.info["find_unused"],
         "unused": trainer.strategy.unused_parameters,
         "logs": logs.messages,
+        "seen": seen.seen,
     }
+
+
+def static_graph_unused_head(ctx) -> dict:
+    """static_graph=True under find_unused_parameters='auto': no probe (DDP's static graph finds the unused
+    auxiliary head itself), clipping on."""
+    logs = _capture_logs()
+    model, seen = NetModule(make_net(0, aux_head=True)), _ModelSeen()
+    trainer = make_trainer(ctx, TunedDDPStrategy(static_graph=True), max_steps=4, clip=0.05, callbacks=[seen])
+    trainer.fit(model, DataLoader(make_dataset(), batch_size=4))
+    return {"losses": model.losses, "params": _state(model.net), "logs": logs.messages, "seen": seen.seen}
 
 
 def probe_leaves_no_trace(ctx) -> dict:
@@ -166,9 +183,9 @@ def probe_leaves_no_trace(ctx) -> dict:
     out = {}
     for mode in ("auto", False):
         torch.manual_seed(123)
-        model, info = NetModule(make_net(0), dropout=0.3), _DDPInfo()
+        model, info, seen = NetModule(make_net(0), dropout=0.3), _DDPInfo(), _ModelSeen()
         trainer = make_trainer(
-            ctx, TunedDDPStrategy(find_unused_parameters=mode), max_steps=4, callbacks=[info]
+            ctx, TunedDDPStrategy(find_unused_parameters=mode), max_steps=4, callbacks=[info, seen]
         )
         trainer.fit(model, DataLoader(make_dataset(), batch_size=4))
         out[str(mode)] = {
@@ -176,6 +193,7 @@ def probe_leaves_no_trace(ctx) -> dict:
             "state": _state(model),
             "metric_updates": model.train_acc._update_count,
             "find_unused": info.info["find_unused"],
+            "seen": seen.seen,
         }
     return out
 
@@ -196,6 +214,44 @@ class _DDPInfo(L.Callback):
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
             "net_compiled": getattr(pl_module.net, "_compiled_call_impl", None) is not None,
         }
+
+
+class _ModelSeen(L.Callback):
+    """What a callback sees as ``trainer.model`` (Lightning: the DDP wrapper once set up) at each hook of the
+    first three batches, with the strategy's ``find_unused_parameters`` at that moment."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+        self._wrappers: list[int] = []
+
+    def _record(self, hook: str, trainer) -> None:
+        model = trainer.model
+        if id(model) not in self._wrappers:
+            self._wrappers.append(id(model))
+        self.seen.append(
+            (
+                hook,
+                type(model).__name__,
+                model is trainer.strategy.model,
+                isinstance(model, DistributedDataParallel) and model.module is trainer.lightning_module,
+                self._wrappers.index(id(model)),
+                trainer.strategy.find_unused_parameters,
+            )
+        )
+
+    def on_fit_start(self, trainer, pl_module):
+        self._record("on_fit_start", trainer)
+
+    def on_train_start(self, trainer, pl_module):
+        self._record("on_train_start", trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx < 3 and trainer.current_epoch == 0:
+            self._record(f"on_train_batch_start:{batch_idx}", trainer)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.fit_loop.epoch_loop.batch_idx < 3 and trainer.current_epoch == 0:
+            self._record(f"on_before_backward:{trainer.fit_loop.epoch_loop.batch_idx}", trainer)
 
 
 class _CountPerBatch(L.Callback):
