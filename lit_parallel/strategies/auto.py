@@ -37,6 +37,7 @@ from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import check_common, unknown_argument
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
@@ -52,7 +53,14 @@ CANDIDATES: dict[str, type[ParallelStrategy]] = {
 assert set(CANDIDATES) == {rule.strategy for rule in RULES}
 
 # Arguments every candidate takes; AutoStrategy passes its own to the chosen one.
-_COMMON = ("process_group_backend", "timeout", "debug_level", "watchdog", "preemption_signal")
+_COMMON = (
+    "process_group_backend",
+    "timeout",
+    "debug_level",
+    "watchdog",
+    "preemption_signal",
+    "stall_timeout",
+)
 
 
 class AutoStrategy(DDPStrategy):
@@ -80,9 +88,9 @@ class AutoStrategy(DDPStrategy):
         strategy_kwargs: arguments for the chosen strategy, by registry name, e.g.
             ``{"fsdp_blocks": {"activation_checkpointing": True}, "ddp_tuned": {"comm_hook": "fp16"}}``.
             Checked when this strategy is built, by building each named strategy once (no process group).
-        process_group_backend, timeout, debug_level, watchdog, preemption_signal: as in every candidate
-            strategy (process group backend and timeout, collective checks, ending every rank when one
-            fails, the preemption signal), passed to the chosen one.
+        process_group_backend, timeout, debug_level, watchdog, preemption_signal, stall_timeout: as in every
+            candidate strategy (process group backend and timeout, collective checks, ending every rank when
+            one fails, the preemption signal, stall reports), passed to the chosen one.
 
     The memory accounting follows the Trainer's ``precision`` (mixed precision: 2 + 2 + 12 bytes per
     parameter; ``"32-true"``: 4 + 4 + 8; ``"bf16-true"`` / ``"16-true"``: 2 + 2 + 4).
@@ -99,6 +107,7 @@ class AutoStrategy(DDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
     ) -> None:
         if memory_gb is not None and (
             isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0
@@ -123,7 +132,11 @@ class AutoStrategy(DDPStrategy):
         check_common(process_group_backend=process_group_backend, timeout=timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.reliability = Reliability.from_arguments(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
         )
         self._memory_gb = memory_gb
         self._strategy_kwargs = strategy_kwargs
@@ -133,6 +146,7 @@ class AutoStrategy(DDPStrategy):
             "debug_level": debug_level,
             "watchdog": watchdog,
             "preemption_signal": preemption_signal,
+            "stall_timeout": stall_timeout,
         }
         self.advice: Advice | None = None
         self.chosen: ParallelStrategy | None = None

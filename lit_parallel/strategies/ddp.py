@@ -30,6 +30,7 @@ from lit_parallel.parallel.buckets import (
 )
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import START_METHODS, check_bool, check_common, check_ddp_kwargs
 
 _UNUSED_FIX = (
@@ -91,6 +92,8 @@ class TunedDDPStrategy(DDPStrategy):
         watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
+        stall_timeout: ``"auto"`` (default), seconds, or ``None``: report where every rank is and end the run
+            when no rank completes a training step for that long (see ``docs/reliability.md``).
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``init_sync``,
             ``skip_all_reduce_unused_params``) or to Lightning's ``DDPStrategy`` (``ddp_comm_hook``,
             ``ddp_comm_state``, ``ddp_comm_wrapper``, ``model_averaging_period``). Checked when the strategy is
@@ -130,6 +133,7 @@ class TunedDDPStrategy(DDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
         **kwargs: Any,
     ) -> None:
         forward_sync_buffers = _check_arguments(
@@ -169,7 +173,11 @@ class TunedDDPStrategy(DDPStrategy):
         self._compile = compile
         self._forward_sync_buffers = forward_sync_buffers
         self.reliability = Reliability.from_arguments(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
         )
         self._init_decisions()
 

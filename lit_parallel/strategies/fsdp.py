@@ -39,6 +39,7 @@ from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
+from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import check_bool, check_common, check_optional_path
 from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
 
@@ -99,6 +100,8 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
+        stall_timeout: ``"auto"`` (default), seconds, or ``None``: report where every rank is and end the run
+            when no rank completes a training step for that long (see ``docs/reliability.md``).
 
     Checkpoints hold every rank's RNG states (resume is bitwise exact, dropout included), are written under a
     temporary name and renamed into place when complete (DCP's ``.metadata`` written last), and load without
@@ -127,6 +130,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
     ) -> None:
         _check_arguments(
             block_types=block_types,
@@ -157,7 +161,11 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         self.plan: FSDPPlan | None = None
         self.reliability = Reliability.from_arguments(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
         )
 
     # --- configuration, checked before any process exists -----------------------------------------------
