@@ -57,8 +57,8 @@ def _launch(tmp_path_factory, tag: str, scenarios: list[str], launcher: str, **a
 
 
 def _line_of(marker: str) -> int:
-    source, first = inspect.getsourcelines(sc)
-    return next(first + i for i, line in enumerate(source) if marker in line)
+    lines = Path(inspect.getsourcefile(sc)).read_text().splitlines()
+    return next(i + 1 for i, line in enumerate(lines) if marker in line)
 
 
 # --- launch 1: three fits, then a stall ------------------------------------------------------------------
