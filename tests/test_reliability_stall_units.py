@@ -85,7 +85,7 @@ def test_auto_deadline_is_ten_times_the_slowest_step_between_floor_and_ceiling()
     assert step_deadline_s("auto", 30.0) == 300.0
     assert step_deadline_s("auto", 90.0) == 900.0
     assert step_deadline_s("auto", 500.0) == 1800.0
-    assert step_deadline_s(7.5, 500.0) == 7.5  # a number is used as given
+    assert step_deadline_s(7.5, 500.0) == step_deadline_s(7.5, None) == 7.5  # a number is used as given
     assert step_deadline_s("auto", None) is None  # nothing measured yet: not timed
     assert step_deadline_s(None, 1.0) is None
 
@@ -170,7 +170,7 @@ def test_short_positions_name_the_stage_the_users_line_and_the_collective():
     assert short_position(_answer("training_step", 3, [FIT, STEP])) == "training_step at model.py:42"
     assert (
         short_position(_answer("backward", 3, [FIT, BACKWARD]))
-        == "backward, waiting in the gradient all-reduce / reduce-scatter (main at train.py:88)"
+        == "backward, waiting in the gradient all-reduce / reduce-scatter (from main at train.py:88)"
     )
     assert (
         short_position(_answer("training_step", 3, [FIT, STEP, ALL_GATHER]))
@@ -188,7 +188,7 @@ def test_the_report_groups_ranks_by_position_and_lists_each_ranks_frames():
         " ending the run with exit status 124"
     )
     assert lines[1] == (
-        "  ranks 0, 2, 3 in backward, waiting in the gradient all-reduce / reduce-scatter (main at train.py:88);"
+        "  ranks 0, 2, 3 in backward, waiting in the gradient all-reduce / reduce-scatter (from main at train.py:88);"
         " rank 1 in training_step at model.py:42"
     )
     assert "    rank 1: training_step of training batch 3 (epoch 0), 6.0 s in training step" in lines
@@ -269,3 +269,89 @@ def test_the_preemption_signal_is_not_taken_over():
     # preemption_signal="SIGTERM" keeps SIGTERM for save-and-requeue; SLURM's SIGUSR1 is never ours
     assert SignalExit(0, lambda s, w: "", skip=signal.SIGTERM).signals == (signal.SIGINT,)
     assert SignalExit(0, lambda s, w: "", skip=signal.SIGUSR1).signals == (signal.SIGINT, signal.SIGTERM)
+
+
+# --- the decision, on a real key-value store (torch's in-process HashStore), two ranks, no threads --------
+
+
+def _watchdogs(monkeypatch, setting=3.0):
+    import torch.distributed as dist
+
+    fake = _FakeTime()
+    monkeypatch.setattr(stall, "time", fake)
+    monkeypatch.setattr(stall, "REPORT_WAIT_S", 0.0)  # every answer is in the store before anyone asks
+    store = dist.HashStore()
+    ended: list[tuple[int, int]] = []
+    dogs = []
+    for rank in (0, 1):
+        clock = StallClock()
+        clock.completed = stall.WARMUP_STEPS  # warm-up done
+        dog = stall.StallWatchdog(
+            store,
+            "run0/stall",
+            rank,
+            2,
+            clock,
+            setting,
+            lambda r=rank: {"stage": "training_step", "rank": r},
+            lambda c: None,
+        )
+        dog.exit = lambda code, r=rank: ended.append((r, code))
+        dogs.append(dog)
+    return fake, store, dogs, ended
+
+
+def test_a_rank_loading_data_holds_the_report_back(monkeypatch, capsys):
+    fake, _, (r0, r1), ended = _watchdogs(monkeypatch)
+    r0.clock.step_begins()
+    r1.clock.pause("between training steps (callbacks, data loading)")
+    fake.now += 10.0  # rank 0 waited 10 s > stall_timeout=3 in its step: it asks
+    r1._answer(1)  # rank 1's answer to the question to come (its thread would write it while rank 0 waits)
+    r0.poll()
+    assert ended == [] and "stall" not in capsys.readouterr().err
+    assert r0._next_check == fake.now + 5.0  # asks again in 5 s, not at every look
+
+
+def test_every_rank_in_a_step_past_the_deadline_is_a_stall_reported_once(monkeypatch, capsys):
+    fake, store, (r0, r1), ended = _watchdogs(monkeypatch)
+    r0.clock.step_begins()
+    r1.clock.step_begins()
+    fake.now += 4.0
+    r1._answer(1)
+    r0.poll()  # rank 0 reports and ends
+    err = capsys.readouterr().err
+    assert err.count("lit_parallel: stall:") == 1
+    assert "no rank completed a training step for 4.0 s (stall_timeout=3 s)" in err
+    assert "ranks 0, 1 in training_step" in err
+    assert ended == [(0, 124)]
+    r1._next_check = 0.0
+    r1.poll()  # rank 1 sees the end at its next look, without a report of its own
+    assert ended == [(0, 124), (1, 124)]
+    assert capsys.readouterr().err == ""
+    assert store.add("run0/stall/reporter", 0) == 1 and store.add("run0/stall/acks", 0) == 2
+
+
+def test_no_report_before_the_deadline_or_during_warm_up(monkeypatch, capsys):
+    fake, store, (r0, _), ended = _watchdogs(monkeypatch)
+    r0.clock.step_begins()
+    fake.now += 2.9
+    r0.poll()
+    r0.clock.completed = 0
+    r0.clock.step_begins()  # a warm-up step: not timed however long it takes
+    fake.now += 1000.0
+    r0.poll()
+    assert ended == [] and store.add("run0/stall/query", 0) == 0
+
+
+def test_a_rank_that_does_not_answer_is_reported_only_when_silent_twice(monkeypatch, capsys):
+    fake, _, (r0, r1), ended = _watchdogs(monkeypatch)
+    r0.clock.step_begins()
+    fake.now += 4.0
+    r0.poll()  # rank 1 never answers: maybe only busy, ask again later
+    assert ended == [] and r0._silent == {1}
+    fake.now += 5.0
+    r0.poll()
+    assert ended == [(0, 124)]
+    err = capsys.readouterr().err
+    assert err.count("lit_parallel: stall:") == 1
+    assert "  rank 0 in training_step; rank 1 did not answer" in err

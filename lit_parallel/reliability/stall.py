@@ -57,13 +57,15 @@ def check_stall_timeout(value: Any) -> Literal["auto"] | float | None:
 
 
 def step_deadline_s(setting: Literal["auto"] | float | None, slowest_step_s: float | None) -> float | None:
-    """How long one training step may last before it is a stall; ``None``: not timed (off, or no step has
-    completed yet in this fit)."""
-    if setting is None or slowest_step_s is None:
+    """How long one training step may last before it is a stall; ``None``: not timed (off, or ``"auto"`` before
+    a step has been measured in this fit)."""
+    if setting is None:
         return None
-    if setting == "auto":
-        return min(AUTO_CEILING_S, max(AUTO_FLOOR_S, AUTO_FACTOR * slowest_step_s))
-    return float(setting)
+    if setting != "auto":
+        return float(setting)
+    if slowest_step_s is None:
+        return None
+    return min(AUTO_CEILING_S, max(AUTO_FLOOR_S, AUTO_FACTOR * slowest_step_s))
 
 
 def paused_deadline_s(setting: Literal["auto"] | float | None) -> float:
@@ -136,7 +138,7 @@ def _waiting_in(frames: list[list]) -> str | None:
 
 def short_position(answer: dict) -> str:
     """One rank's position in a few words, e.g. ``training_step at model.py:42`` or ``backward, waiting in the
-    gradient all-reduce / reduce-scatter (from fit at train.py:88)``."""
+    gradient all-reduce / reduce-scatter (from main at train.py:88)`` (the innermost frame of your code)."""
     stage = answer.get("stage", "?").split(" (")[0].split(" of training batch")[0]
     frames = answer.get("frames") or []
     user = [f for f in frames if not _is_library(f[0])]
@@ -147,7 +149,7 @@ def short_position(answer: dict) -> str:
         if name == stage:
             text += f" at {Path(filename).name}:{lineno}"
         else:
-            called_from = f" ({name} at {Path(filename).name}:{lineno})"
+            called_from = f" (from {name} at {Path(filename).name}:{lineno})"
     if waiting:
         text += f", waiting in {waiting}"
     return text + called_from
@@ -224,6 +226,8 @@ class StallWatchdog:
         self._stop = threading.Event()
         self._answered = 0
         self._next_check = 0.0
+        self._silent: set[int] = set()  # ranks that did not answer the last question
+        self.exit: Callable[[int], Any] = os._exit
         self._thread = threading.Thread(target=self._run, name="lit_parallel-stall-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -240,15 +244,20 @@ class StallWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(CHECK_S):
             try:
-                asked = self.store.add(self._key("query"), 0)
-                if asked >= _END:
-                    self._end(reporter=False)
-                if asked > self._answered:
-                    self._answer(asked)
-                if self._stalled_here():
-                    self._check()
+                self.poll()
             except Exception:  # the store is gone (its host exited): nothing left to coordinate with
                 return
+
+    def poll(self) -> None:
+        """One look: end the run if another rank reported a stall, answer a question, check this rank's clock."""
+        asked = self.store.add(self._key("query"), 0)
+        if asked >= _END:
+            self._end(reporter=False)
+            return
+        if asked > self._answered:
+            self._answer(asked)
+        if self._stalled_here():
+            self._check()
 
     def _answer(self, query: int) -> None:
         now = time.monotonic()
@@ -274,17 +283,16 @@ class StallWatchdog:
     def _collect(self, query: int) -> dict[int, dict]:
         answers: dict[int, dict] = {}
         deadline = time.monotonic() + REPORT_WAIT_S
-        while time.monotonic() < deadline and len(answers) < self.world_size:
+        while True:
             for r in range(self.world_size):
-                if r in answers:
-                    continue
                 key = self._key("answer", r)
-                if self.store.check([key]):
+                if r not in answers and self.store.check([key]):
                     got = json.loads(self.store.get(key))
                     if got.get("query", 0) >= query:
                         answers[r] = got
+            if len(answers) == self.world_size or time.monotonic() >= deadline:
+                return answers
             time.sleep(0.05)
-        return answers
 
     def _check(self) -> None:
         stalled_s = time.monotonic() - self.clock.since
@@ -293,8 +301,12 @@ class StallWatchdog:
         answers = self._collect(query)
         limit = paused_deadline_s(self.setting)
         paused = [r for r, a in answers.items() if not a["in_step"] and a["elapsed"] < limit]
+        # a rank that did not answer twice in a row is stuck (its main thread holds the interpreter lock);
+        # once may just be a busy machine
+        missing = set(range(self.world_size)) - set(answers)
+        silent_before, self._silent = self._silent, missing
         deadline = step_deadline_s(self.setting, self.clock.slowest()) or 0.0
-        if paused or not self.clock.in_step:
+        if paused or not self.clock.in_step or not missing <= silent_before:
             # a rank loading data, validating or saving holds the others up: not a stall (yet)
             self._next_check = time.monotonic() + max(5.0, deadline / 4)
             return
@@ -315,4 +327,4 @@ class StallWatchdog:
         except Exception:
             pass
         self.on_end(STALL_EXIT_CODE)
-        os._exit(STALL_EXIT_CODE)
+        self.exit(STALL_EXIT_CODE)
