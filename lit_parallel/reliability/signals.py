@@ -11,6 +11,7 @@ turns ``SIGTERM`` into a clean stop with status 0, ``KeyboardInterrupt`` into st
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -65,6 +66,9 @@ class SignalExit:
         self.retired = True
         if self._fds is None or threading.current_thread() is not threading.main_thread():
             return
+        # after a failed fit Lightning puts this handler back and nothing removes it: a signal during the
+        # interpreter's exit (when no Python handler runs any more) would then be ignored
+        atexit.register(self.uninstall_retired)
         for s, previous in self._previous.items():
             if signal.getsignal(s) == self._handler:
                 signal.signal(s, previous if previous is not None else signal.SIG_DFL)
