@@ -104,7 +104,8 @@ class Reliability:
 
     def setup_process_group(self, strategy: Strategy, setup: Callable[[], None]) -> None:
         """Around Lightning's process-group set-up ``setup``: the debug level before the group exists, then
-        ownership, timeouts, the failure reporter, the preemption handler and the callback."""
+        ownership, timeouts, the failure reporter, the preemption handler, the stall watchdog, the signal
+        handling, the launcher's watchdog threads and the callback."""
         if not isinstance(strategy.checkpoint_io, ReliableCheckpointIO):
             strategy.checkpoint_io = ReliableCheckpointIO(strategy.checkpoint_io, self, strategy.broadcast)
         existed = dist.is_available() and dist.is_initialized()
@@ -122,11 +123,7 @@ class Reliability:
             if self.preemption is not None:
                 self.preemption.install()
         self._start_stall_watchdog()
-        if self.signals is None and dist.get_world_size() > 1:
-            skip = self.preemption.signum if self.preemption is not None else None
-            self.signals = SignalExit(dist.get_rank(), launcher.stop_children, skip=skip)
-            if not self.signals.install():
-                self.signals = None
+        self._install_signal_exit()
         if self.watchdog:
             launcher.resume_watching()
         trainer = trainer_of(strategy)
@@ -189,6 +186,15 @@ class Reliability:
             on_end=lambda code: launcher.stop_children(None, CHILD_WAIT_S),
         )
         self.stall.start()
+
+    def _install_signal_exit(self) -> None:
+        """SIGINT / SIGTERM end every rank with 128 + N (see :mod:`~lit_parallel.reliability.signals`)."""
+        if self.signals is not None or dist.get_world_size() == 1:
+            return
+        skip = self.preemption.signum if self.preemption is not None else None
+        self.signals = SignalExit(dist.get_rank(), launcher.stop_children, skip=skip)
+        if not self.signals.install():
+            self.signals = None
 
     def after_barrier(self, name: str | None) -> None:
         if name == "_CheckpointConnector.resume_end" and self.rng_at_resume is not None:
