@@ -3,7 +3,7 @@ change the training.
 
 Each strategy holds one :class:`Reliability` object (``strategy.reliability``), built in its ``__init__``
 from the reliability arguments (``Reliability.from_arguments(debug_level=..., watchdog=...,
-preemption_signal=..., timeout=...)``). The features are composed from Lightning's public extension points,
+preemption_signal=..., timeout=..., stall_timeout=...)``). The features are composed from Lightning's public extension points,
 each in one place:
 
 - the strategy's own hooks call the object, one line each: ``_configure_launcher`` (the watched launcher,
@@ -26,6 +26,11 @@ The features:
   thread is. A collective that timed out (or ranks that diverged) is reported as *which collective, on
   which ranks, and where the ranks that never arrived are* (e.g. a rank stuck in ``__getitem__``, or a rank
   that went past a batch without joining its backward collectives).
+- **Stall reports** (:mod:`~lit_parallel.reliability.stall`): when no rank completes a training step for
+  ``stall_timeout``, one report says where every rank is and every rank exits with status 124; data
+  loading, validation, saves and the first steps of a fit are not timed.
+- **Signals** (:mod:`~lit_parallel.reliability.signals`): ``SIGINT`` / ``SIGTERM`` end every rank within
+  seconds, even while blocked in a collective, with exit status 128 + the signal number.
 - **A watchdog for Lightning's launcher** (``python train.py`` with ``devices=N``): the launching process
   (rank 0) ends the other ranks when it fails, waits for them when it finishes, and stops the run within a
   fraction of a second when one of them dies; the other ranks exit when the launching process is gone. No

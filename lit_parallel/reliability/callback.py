@@ -29,7 +29,7 @@ def _reliability(trainer: pl.Trainer) -> Reliability | None:
 
 
 class ReliabilityCallback(Callback):
-    """Progress markers for failure reports, the check that a loss reaches the model, preemption at
+    """Progress markers for failure and stall reports, the check that a loss reaches the model, preemption at
     optimizer-step boundaries, and every rank's RNG states in checkpoints."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -44,6 +44,7 @@ class ReliabilityCallback(Callback):
             # restored; an uninterrupted run drew at the start of the epoch, before the checkpoint
             restore_rng_state(r.rng_at_first_batch)
             r.rng_at_first_batch = None
+        r.clock.step_begins()
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         r = _reliability(trainer)
@@ -76,11 +77,17 @@ class ReliabilityCallback(Callback):
         r = _reliability(trainer)
         if r is None:
             return
+        r.clock.step_ends()
         r.progress.at(
             f"after training batch {batch_idx} (epoch {trainer.current_epoch}): callbacks, loading the next batch"
         )
         if r.preemption is not None and not _compat.should_accumulate(trainer):
             r.preemption.check(trainer, r.progress.batch)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        r = _reliability(trainer)
+        if r is not None:
+            r.clock.pause("validation")
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         r = _reliability(trainer)
@@ -98,6 +105,7 @@ class ReliabilityCallback(Callback):
         if r is None:
             return
         r.progress.saving()
+        r.clock.pause("saving a checkpoint")
         states = gather_rng_states()
         if states is not None:
             checkpoint[RNG_KEY] = {"world_size": len(states), "ranks": states}
@@ -116,6 +124,9 @@ class ReliabilityCallback(Callback):
         if r is not None and r.retired_preemption is not None:
             r.retired_preemption.uninstall()
             r.retired_preemption = None
+        if r is not None and r.retired_signals is not None:
+            r.retired_signals.uninstall_retired()
+            r.retired_signals = None
 
 
 def _reaches_a_parameter(loss: torch.Tensor, budget: int = 20_000) -> bool:

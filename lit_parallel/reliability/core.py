@@ -14,13 +14,15 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_parallel.reliability import groups
+from lit_parallel.reliability import groups, launcher
 from lit_parallel.reliability.checkpoints import ReliableCheckpointIO
 from lit_parallel.reliability.launcher import watch_launcher
 from lit_parallel.reliability.options import DebugLevel, PreemptionSignal, ReliabilityOptions, _stderr
 from lit_parallel.reliability.preemption import Preemption
-from lit_parallel.reliability.reports import _classify, _first_line, _Progress, _Reporter
+from lit_parallel.reliability.reports import _classify, _first_line, _main_thread_frames, _Progress, _Reporter
 from lit_parallel.reliability.resume import resume_mid_epoch
+from lit_parallel.reliability.signals import CHILD_WAIT_S, SignalExit
+from lit_parallel.reliability.stall import StallClock, StallWatchdog
 from lit_parallel.rng import restore_rng_state
 
 if TYPE_CHECKING:
@@ -49,7 +51,11 @@ class Reliability:
         self.timeout_given = timeout is not default_pg_timeout and timeout is not None
         self.owns_process_group = False
         self.progress = _Progress()
+        self.clock = StallClock()
         self.reporter: _Reporter | None = None
+        self.stall: StallWatchdog | None = None
+        self.signals: SignalExit | None = None
+        self.retired_signals: SignalExit | None = None
         self.preemption: Preemption | None = None
         self.retired_preemption: Preemption | None = None
         self.rng_at_resume: dict | None = None  # applied when Lightning's restore ends
@@ -66,10 +72,14 @@ class Reliability:
         watchdog: bool,
         preemption_signal: PreemptionSignal,
         timeout: timedelta | None,
+        stall_timeout: Any = "auto",
     ) -> Reliability:
         """From the reliability arguments every strategy takes (validated here, when the strategy is built)."""
         options = ReliabilityOptions(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
+            stall_timeout=stall_timeout,
         )
         return cls(options, timeout)
 
@@ -94,7 +104,8 @@ class Reliability:
 
     def setup_process_group(self, strategy: Strategy, setup: Callable[[], None]) -> None:
         """Around Lightning's process-group set-up ``setup``: the debug level before the group exists, then
-        ownership, timeouts, the failure reporter, the preemption handler and the callback."""
+        ownership, timeouts, the failure reporter, the preemption handler, the stall watchdog, the signal
+        handling, the launcher's watchdog threads and the callback."""
         if not isinstance(strategy.checkpoint_io, ReliableCheckpointIO):
             strategy.checkpoint_io = ReliableCheckpointIO(strategy.checkpoint_io, self, strategy.broadcast)
         existed = dist.is_available() and dist.is_initialized()
@@ -111,6 +122,10 @@ class Reliability:
             self.preemption = Preemption.for_environment(self.preemption_signal, strategy.cluster_environment)
             if self.preemption is not None:
                 self.preemption.install()
+        self._start_stall_watchdog()
+        self._install_signal_exit()
+        if self.watchdog:
+            launcher.resume_watching()
         trainer = trainer_of(strategy)
         if trainer is not None:
             from lit_parallel.reliability.callback import ReliabilityCallback
@@ -148,6 +163,38 @@ class Reliability:
         prefix = f"lit_parallel/run{next(groups._RUNS)}"
         self.reporter = _Reporter(store, prefix, dist.get_rank(), dist.get_world_size(), self.progress)
         self.reporter.start()
+
+    def _start_stall_watchdog(self) -> None:
+        """One thread per rank, on the reporter's store (see :mod:`~lit_parallel.reliability.stall`)."""
+        self.clock = StallClock()
+        setting = self.options.stall_timeout
+        if self.reporter is None or self.stall is not None or setting is None:
+            return
+        reporter = self.reporter
+
+        def describe() -> dict:
+            return {**self.progress.as_dict(), "rank": reporter.rank, "frames": _main_thread_frames()}
+
+        self.stall = StallWatchdog(
+            reporter.store,
+            f"{reporter.prefix}/stall",
+            reporter.rank,
+            reporter.world_size,
+            self.clock,
+            setting,
+            describe,
+            on_end=lambda code: launcher.stop_children(None, CHILD_WAIT_S),
+        )
+        self.stall.start()
+
+    def _install_signal_exit(self) -> None:
+        """SIGINT / SIGTERM end every rank with 128 + N (see :mod:`~lit_parallel.reliability.signals`)."""
+        if self.signals is not None or dist.get_world_size() == 1:
+            return
+        skip = self.preemption.signum if self.preemption is not None else None
+        self.signals = SignalExit(dist.get_rank(), launcher.stop_children, skip=skip)
+        if not self.signals.install():
+            self.signals = None
 
     def after_barrier(self, name: str | None) -> None:
         if name == "_CheckpointConnector.resume_end" and self.rng_at_resume is not None:
@@ -197,9 +244,16 @@ class Reliability:
     def teardown(self) -> None:
         """After Lightning's teardown: stop the reporter, retire the signal handler, and destroy a process
         group the strategy created if the run failed."""
+        if self.stall is not None:
+            self.stall.stop()
+            self.stall = None
         if self.reporter is not None:
             self.reporter.stop()
             self.reporter = None
+        if self.signals is not None:
+            self.signals.uninstall()
+            self.retired_signals, self.signals = self.signals, None
+        launcher.stop_watching()
         if self.preemption is not None:
             self.preemption.uninstall()
             self.retired_preemption, self.preemption = self.preemption, None

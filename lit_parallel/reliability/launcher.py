@@ -22,6 +22,7 @@ from lit_parallel._compat import (
 )
 from lit_parallel.reliability.options import LAUNCHER_PID_ENV, POLL_S, _stderr
 from lit_parallel.reliability.reports import _ranks
+from lit_parallel.reliability.stall import STALL_EXIT_CODE
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -29,37 +30,62 @@ if TYPE_CHECKING:
 
 class _LauncherWatchdog:
     """In the launching process (rank 0 of a node under Lightning's launcher): end the run when a rank dies,
-    end the other ranks when this process fails, wait for them when it finishes."""
+    end the other ranks when this process fails, wait for them when it finishes.
+
+    The started ranks live as long as the script (each runs every ``fit`` of it), so one watchdog serves every
+    ``fit`` of the process: its thread runs while a strategy is set up (:func:`resume_watching` /
+    :func:`stop_watching`); the exception hook and the exit handler are installed once."""
 
     def __init__(self, procs: list[subprocess.Popen], first_rank: int, wait_s: float) -> None:
         self.procs = procs
         self.first_rank = first_rank  # global rank of procs[0]
         self.wait_s = wait_s
+        self.owner_pid = os.getpid()
         self._lock = threading.Lock()
         self._ending = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hooks_installed = False
 
     def start(self) -> None:
-        threading.Thread(target=self._observe, name="lit_parallel-launcher-watchdog", daemon=True).start()
-        self._previous_hook = sys.excepthook
-        sys.excepthook = self._excepthook
-        atexit.register(self._wait_for_children)
+        if not self._hooks_installed:
+            self._hooks_installed = True
+            self._previous_hook = sys.excepthook
+            sys.excepthook = self._excepthook
+            atexit.register(self._wait_for_children)
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._observe, name="lit_parallel-launcher-watchdog", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        self._thread = None
 
     def _rank(self, i: int) -> int:
         return self.first_rank + i
 
     def _observe(self) -> None:
-        while True:
+        while not self._stop.is_set() and not self._ending:
             for i, p in enumerate(self.procs):
                 code = p.poll()
-                if code is not None and code != 0:
+                if code is not None and code != 0 and not self._ending:
+                    # a stall report or a signal ends the run with its own status; anything else with 1
+                    passed_on = code == STALL_EXIT_CODE or code > 128
                     self._end(
                         f"lit_parallel: rank {self._rank(i)} (pid {p.pid}) exited with code {code}; ending the run",
-                        exit_code=1,
+                        exit_code=code if passed_on else 1,
+                        quiet=code == STALL_EXIT_CODE,
                     )
                     return
             if all(p.poll() == 0 for p in self.procs):
                 return
-            time.sleep(0.1)
+            self._stop.wait(0.1)
 
     def _kill_others(self, skip: subprocess.Popen | None = None) -> list[int]:
         killed = []
@@ -70,15 +96,35 @@ class _LauncherWatchdog:
                 killed.append(self._rank(i))
         return killed
 
-    def _end(self, message: str, exit_code: int) -> None:
+    def _end(self, message: str, exit_code: int, quiet: bool = False) -> None:
         with self._lock:
             if self._ending:
                 return
             self._ending = True
         killed = self._kill_others()
         rank0 = self.first_rank - 1
-        _stderr(f"{message}: stopped rank(s) {_ranks(killed)} and rank {rank0} (the launching process)")
+        if not quiet:
+            _stderr(f"{message}: stopped rank(s) {_ranks(killed)} and rank {rank0} (the launching process)")
         os._exit(exit_code)
+
+    def stop_children(self, signum: int | None, wait_s: float) -> str:
+        """The run ends (a signal, a stall): pass ``signum`` on to the started ranks, wait for them up to
+        ``wait_s``, kill what is left; say how they ended."""
+        with self._lock:
+            self._ending = True
+        for p in self.procs:
+            if signum is not None and p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signum)
+        deadline = time.monotonic() + wait_s
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        killed = self._kill_others()
+        ended = [
+            f"rank {self._rank(i)}: {p.returncode}" for i, p in enumerate(self.procs) if p.poll() is not None
+        ]
+        text = "exit status of the ranks it started: " + ", ".join(ended)
+        return text + (f"; killed rank(s) {_ranks(killed)} after {wait_s:g} s" if killed else "")
 
     def _excepthook(self, exc_type, exc, tb) -> None:
         self._previous_hook(exc_type, exc, tb)
@@ -107,30 +153,75 @@ class _LauncherWatchdog:
             )
 
 
-_CHILD_WATCH_STARTED = False
-
-
-def _watch_launching_process() -> None:
+class _ParentWatchdog:
     """In a rank started by Lightning's launcher: exit when the launching process is gone."""
-    global _CHILD_WATCH_STARTED
-    pid = os.environ.get(LAUNCHER_PID_ENV)
-    if _CHILD_WATCH_STARTED or pid is None or int(pid) == os.getpid() or os.getppid() != int(pid):
-        return
-    _CHILD_WATCH_STARTED = True
-    parent = int(pid)
 
-    def watch() -> None:
-        while True:
-            time.sleep(POLL_S)
-            if os.getppid() != parent:
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="lit_parallel-parent-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        self._thread = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if os.getppid() != self.parent:
                 rank = os.environ.get("LOCAL_RANK", "?")
                 _stderr(
-                    f"lit_parallel: local rank {rank} (pid {os.getpid()}): the launching process (pid {parent})"
-                    " is gone; exiting"
+                    f"lit_parallel: local rank {rank} (pid {os.getpid()}): the launching process (pid"
+                    f" {self.parent}) is gone; exiting"
                 )
                 os._exit(1)
 
-    threading.Thread(target=watch, name="lit_parallel-parent-watchdog", daemon=True).start()
+
+_LAUNCHED: _LauncherWatchdog | None = None  # the ranks this process started
+_PARENT: _ParentWatchdog | None = None
+
+
+def _watch_launching_process() -> None:
+    """In a rank started by Lightning's launcher: exit when the launching process is gone (while a strategy
+    is set up)."""
+    global _PARENT
+    pid = os.environ.get(LAUNCHER_PID_ENV)
+    if pid is None or not pid.isdigit() or int(pid) == os.getpid() or os.getppid() != int(pid):
+        return
+    if _PARENT is None or _PARENT.parent != int(pid):
+        _PARENT = _ParentWatchdog(int(pid))
+    _PARENT.start()
+
+
+def resume_watching() -> None:
+    """A strategy of this process is being set up: (re)start the watchdog threads of this process."""
+    if _LAUNCHED is not None and _LAUNCHED.owner_pid == os.getpid():
+        _LAUNCHED.start()
+    _watch_launching_process()
+
+
+def stop_watching() -> None:
+    """At a strategy's teardown: stop the watchdog threads (the next ``fit`` starts them again)."""
+    if _LAUNCHED is not None:
+        _LAUNCHED.stop()
+    if _PARENT is not None:
+        _PARENT.stop()
+
+
+def stop_children(signum: int | None, wait_s: float) -> str:
+    """In the launching process of Lightning's launcher: end the ranks it started (see
+    :meth:`_LauncherWatchdog.stop_children`); elsewhere nothing to do."""
+    if _LAUNCHED is None or _LAUNCHED.owner_pid != os.getpid():
+        return ""
+    return _LAUNCHED.stop_children(signum, wait_s)
 
 
 class _WatchedSubprocessScriptLauncher(SubprocessScriptLauncher):
@@ -150,19 +241,29 @@ class _WatchedSubprocessScriptLauncher(SubprocessScriptLauncher):
         self._strategy._validate_before_launch(trainer, model)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
+            global _LAUNCHED
+            # the started ranks inherit the variable; this process gets its previous value back
+            previous = os.environ.get(LAUNCHER_PID_ENV)
             os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-            self._call_children_scripts()
+            try:
+                self._call_children_scripts()
+            finally:
+                if previous is None:
+                    del os.environ[LAUNCHER_PID_ENV]
+                else:
+                    os.environ[LAUNCHER_PID_ENV] = previous
             launch_process_observer(self.procs)
             first = self.cluster_environment.node_rank() * self.num_processes + 1
             timeout = self._strategy.reliability.timeout or default_pg_timeout
-            _LauncherWatchdog(self.procs, first, wait_s=timeout.total_seconds()).start()
+            _LAUNCHED = _LauncherWatchdog(self.procs, first, wait_s=timeout.total_seconds())
+            _LAUNCHED.start()
         set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
 
 def watch_launcher(strategy: Any) -> None:
     """Replace Lightning's ``python train.py`` launcher by the watched one (in the launching process), and in
-    a rank it started, exit when the launching process is gone."""
+    a rank it started, exit when the launching process is gone (until the strategy's teardown)."""
     launcher = strategy.launcher
     if type(launcher) is SubprocessScriptLauncher:
         watched = _WatchedSubprocessScriptLauncher(

@@ -1,4 +1,4 @@
-"""Reliability options (debug level, watchdog, preemption signal) and their validation."""
+"""Reliability options (debug level, watchdog, preemption signal, stall timeout) and their validation."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ class ReliabilityOptions:
             of hanging or exchanging wrong data. Costs one extra small all-gather per collective: turn it on to
             debug. ``"info"``: extra logging; ``"off"``: none.
         watchdog: under Lightning's own launcher, end every rank when one fails (see the module docstring).
+        stall_timeout: ``"auto"`` (default): when no rank completes a training step for 10 x the slowest recent
+            step (at least 120 s, at most 1800 s), one report says where every rank is and every rank exits with
+            status 124 (see :mod:`~lit_parallel.reliability.stall`). A number: that many seconds. ``None`` or
+            ``False``: off.
         preemption_signal: ``"auto"`` (default): in a SLURM job (Lightning's ``SLURMEnvironment``, or torchrun
             inside a SLURM allocation), SLURM's requeue signal (``SIGUSR1``, or the environment's
             ``requeue_signal``; off when its ``auto_requeue`` is off); otherwise off. A signal (``"SIGUSR1"``,
@@ -42,6 +46,7 @@ class ReliabilityOptions:
     debug_level: DebugLevel | None = None
     watchdog: bool = True
     preemption_signal: PreemptionSignal = "auto"
+    stall_timeout: Any = "auto"
 
     def __post_init__(self) -> None:
         if self.debug_level is not None and self.debug_level not in DEBUG_LEVELS:
@@ -52,6 +57,9 @@ class ReliabilityOptions:
         if not isinstance(self.watchdog, bool):
             raise ValueError(f"watchdog={self.watchdog!r} must be True or False")
         object.__setattr__(self, "preemption_signal", _parse_signal(self.preemption_signal))
+        from lit_parallel.reliability.stall import check_stall_timeout
+
+        object.__setattr__(self, "stall_timeout", check_stall_timeout(self.stall_timeout))
 
 
 def _parse_signal(value: Any) -> Any:

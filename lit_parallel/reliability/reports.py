@@ -77,6 +77,15 @@ def _main_thread_location() -> list[str]:
     return out
 
 
+def _main_thread_frames(limit: int = 40) -> list[list]:
+    """The main thread's innermost ``limit`` frames as ``[filename, lineno, function, code]`` (JSON-ready)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return []
+    stack = traceback.extract_stack(frame)[-limit:]
+    return [[f.filename, f.lineno, f.name, (f.line or "").strip()] for f in stack]
+
+
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _MISMATCH = "Detected mismatch between collectives"
 _PEER_LOST = re.compile(
@@ -149,6 +158,8 @@ class _Reporter:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S)
 
     def _key(self, *parts: Any) -> str:
         return "/".join([self.prefix, *map(str, parts)])

@@ -40,6 +40,7 @@ from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.rng import capture_rng_state, restore_rng_state
 from lit_parallel.strategies.arguments import check_common, checked_argument_names, unknown_argument
 from lit_parallel.strategies.ddp import TunedDDPStrategy
@@ -56,7 +57,15 @@ CANDIDATES: dict[str, type[ParallelStrategy]] = {
 assert set(CANDIDATES) == {rule.strategy for rule in RULES}
 
 # Arguments every candidate takes; AutoStrategy passes its own to the chosen one.
-_COMMON = ("process_group_backend", "timeout", "debug_level", "watchdog", "preemption_signal", "auto_resume")
+_COMMON = (
+    "process_group_backend",
+    "timeout",
+    "debug_level",
+    "watchdog",
+    "preemption_signal",
+    "stall_timeout",
+    "auto_resume",
+)
 
 
 class AutoStrategy(DDPStrategy):
@@ -84,9 +93,10 @@ class AutoStrategy(DDPStrategy):
         strategy_kwargs: arguments for the chosen strategy, by registry name, e.g.
             ``{"fsdp_blocks": {"activation_checkpointing": True}, "ddp_tuned": {"comm_hook": "fp16"}}``.
             Checked when this strategy is built, by building each named strategy once (no process group).
-        process_group_backend, timeout, debug_level, watchdog, preemption_signal, auto_resume: as in every
-            candidate strategy (process group backend and timeout, collective checks, ending every rank when one
-            fails, the preemption signal), passed to the chosen one.
+        process_group_backend, timeout, debug_level, watchdog, preemption_signal, stall_timeout,
+            auto_resume: as in every candidate strategy (process group backend and timeout, collective
+            checks, ending every rank when one fails, the preemption signal, stall reports, resuming from the
+            newest complete checkpoint), passed to the chosen one.
 
     The memory accounting follows the Trainer's ``precision`` (mixed precision: 2 + 2 + 12 bytes per
     parameter; ``"32-true"``: 4 + 4 + 8; ``"bf16-true"`` / ``"16-true"``: 2 + 2 + 4).
@@ -104,6 +114,7 @@ class AutoStrategy(DDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
     ) -> None:
         if memory_gb is not None and (
@@ -129,7 +140,11 @@ class AutoStrategy(DDPStrategy):
         check_common(process_group_backend=process_group_backend, timeout=timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.reliability = Reliability.from_arguments(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
         )
         self._memory_gb = memory_gb
         self._strategy_kwargs = strategy_kwargs
@@ -139,6 +154,7 @@ class AutoStrategy(DDPStrategy):
             "debug_level": debug_level,
             "watchdog": watchdog,
             "preemption_signal": preemption_signal,
+            "stall_timeout": stall_timeout,
             "auto_resume": auto_resume,
         }
         self.advice: Advice | None = None

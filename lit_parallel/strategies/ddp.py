@@ -31,6 +31,7 @@ from lit_parallel.parallel.buckets import (
 from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.resume import install_auto_resume
+from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import check_bool
 from lit_parallel.strategies.ddp_arguments import DYNAMO_MIN_CAP, check_arguments
 
@@ -96,6 +97,8 @@ class TunedDDPStrategy(DDPStrategy):
         watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
+        stall_timeout: ``"auto"`` (default), seconds, or ``None``: report where every rank is and end the run
+            when no rank completes a training step for that long (see ``docs/reliability.md``).
         auto_resume: ``fit`` without ``ckpt_path`` resumes from the newest complete checkpoint in the
             ModelCheckpoint folders and ``default_root_dir`` (an incomplete newer one is skipped and reported);
             for restarts (``torchrun --max-restarts``, a requeued job). Default ``False``.
@@ -138,6 +141,7 @@ class TunedDDPStrategy(DDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -183,7 +187,11 @@ class TunedDDPStrategy(DDPStrategy):
         self._forward_sync_buffers = forward_sync_buffers
         self.auto_resume = auto_resume
         self.reliability = Reliability.from_arguments(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
         )
         self._init_decisions()
 

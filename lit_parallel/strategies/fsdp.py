@@ -40,6 +40,7 @@ from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
 from lit_parallel.reliability.resume import install_auto_resume
+from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import (
     check_bool,
     check_common,
@@ -105,6 +106,8 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         watchdog: under Lightning's own launcher, end every rank when one fails (default ``True``).
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
+        stall_timeout: ``"auto"`` (default), seconds, or ``None``: report where every rank is and end the run
+            when no rank completes a training step for that long (see ``docs/reliability.md``).
         auto_resume: ``fit`` without ``ckpt_path`` resumes from the newest complete checkpoint in the
             ModelCheckpoint folders and ``default_root_dir`` (an incomplete newer one is skipped and reported);
             for restarts (``torchrun --max-restarts``, a requeued job). Default ``False``.
@@ -137,6 +140,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
     ) -> None:
         _check_arguments(
@@ -170,7 +174,11 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         self.plan: FSDPPlan | None = None
         self.reliability = Reliability.from_arguments(
-            debug_level=debug_level, watchdog=watchdog, preemption_signal=preemption_signal, timeout=timeout
+            debug_level=debug_level,
+            watchdog=watchdog,
+            preemption_signal=preemption_signal,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
         )
 
     # --- configuration, checked before any process exists -----------------------------------------------

@@ -46,6 +46,8 @@ from lit_parallel.parallel.pipeline_schedule import (
 )
 from lit_parallel.parallel.tensor_parallel import plan_from_spec
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
+from lit_parallel.reliability.stall import StallTimeout
+from lit_parallel.strategies.arguments import checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision
 
@@ -115,7 +117,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             first stage, final norm and head on the last); or the names of the blocks where stages 2, 3, ...
             start (``["h.2"]``).
         block_types, reshard_after_forward, mixed_precision, activation_checkpointing, process_group_backend,
-        timeout, debug_level, watchdog, preemption_signal: as in ``fsdp_blocks``.
+        timeout, debug_level, watchdog, preemption_signal, stall_timeout, auto_resume: as in ``fsdp_blocks``.
 
     Checkpoints are always distributed (DCP, each rank its stages' shards, state-dict keys of the whole
     model): they load under any pipeline size and under the other strategies, and back.
@@ -123,6 +125,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
 
     strategy_name = "pp_dp"
 
+    @checked_argument_names
     def __init__(
         self,
         pipeline_parallel_size: int = 2,
@@ -141,6 +144,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
+        auto_resume: bool = False,
     ) -> None:
         check_size("pipeline_parallel_size", pipeline_parallel_size)
         check_size("microbatches", microbatches)
@@ -163,6 +168,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             debug_level=debug_level,
             watchdog=watchdog,
             preemption_signal=preemption_signal,
+            stall_timeout=stall_timeout,
+            auto_resume=auto_resume,
         )
         self._pp_size, self._schedule, self._microbatches = pipeline_parallel_size, schedule, microbatches
         self._dp_size, self._replicate_size = data_parallel_size, data_parallel_replicate_size

@@ -34,6 +34,7 @@ from lit_parallel.parallel.rank_bytes import describe_parameter_bytes
 from lit_parallel.parallel.tensor_parallel import PlanSpec, TPPlan, plan_from_spec
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY
+from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 
@@ -69,7 +70,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             ``fsdp_blocks``.
         reshard_after_forward, mixed_precision, activation_checkpointing, compile, init_from,
         save_distributed_checkpoint, process_group_backend, timeout, debug_level, watchdog,
-            preemption_signal, auto_resume: as in ``fsdp_blocks``.
+            preemption_signal, stall_timeout, auto_resume: as in ``fsdp_blocks``.
 
     The plan (module -> style, replicated layers with the reason, adjusted head-count attributes) and
     the parameter bytes per rank are logged on rank 0; the plan is kept as ``strategy.tp_plan``. With
@@ -102,6 +103,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         debug_level: DebugLevel | None = None,
         watchdog: bool = True,
         preemption_signal: PreemptionSignal = "auto",
+        stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
     ) -> None:
         check_size("data_parallel_size", data_parallel_size, auto=True)
@@ -135,6 +137,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             debug_level=debug_level,
             watchdog=watchdog,
             preemption_signal=preemption_signal,
+            stall_timeout=stall_timeout,
             auto_resume=auto_resume,
         )
         self._dp_size = data_parallel_size

@@ -1,0 +1,330 @@
+"""Stall reports: when no rank completes a training step for ``stall_timeout`` seconds, one report says where
+every rank is, and every rank exits with status :data:`STALL_EXIT_CODE`.
+
+Only time inside a training step counts (``on_train_batch_start`` to ``on_train_batch_end``; the first
+:data:`WARMUP_STEPS` steps of a fit excluded: compilation, warm-up). Data loading, validation, checkpoint
+saves and the callbacks between steps pause the clock; a rank in one of them makes the others wait up to :data:`PAUSED_CEILING_S` before a
+stall is reported. The decision is global: a rank whose step exceeds the deadline asks every rank, through
+the process group's key-value store, what it is doing; only when no rank is in a paused phase is the stall
+reported, by exactly one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from lit_parallel.reliability.options import REPORT_WAIT_S, _stderr
+
+STALL_EXIT_CODE = 124  # as timeout(1)
+AUTO_FACTOR = 10.0  # "auto": this many times the slowest of the recent steps ...
+AUTO_FLOOR_S = 120.0  # ... but at least this (steps under a second: reported within about two minutes) ...
+AUTO_CEILING_S = 1800.0  # ... and at most this (torch's default collective timeout)
+PAUSED_CEILING_S = 1800.0  # a rank loading data, validating or saving for longer than this is stalled too
+RECENT_STEPS = 100
+WARMUP_STEPS = 2  # not timed: compilation, warm-up (ddp_tuned wraps the model in DDP on the second step)
+CHECK_S = 1.0  # how often each rank's watchdog thread looks at its clock and at the store
+_END = 1 << 40  # added to the query counter: the run ends
+
+StallTimeout = Literal["auto"] | float | int | bool | None
+
+
+def check_stall_timeout(value: Any) -> Literal["auto"] | float | None:
+    """The validated ``stall_timeout``: ``"auto"``, a positive number of seconds, or ``None`` (off)."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"stall_timeout={value!r} must be 'auto' ({AUTO_FACTOR:g} x the slowest recent training step, at least"
+            f" {AUTO_FLOOR_S:g} s and at most {AUTO_CEILING_S:g} s), a positive number of seconds, or None /"
+            " False (no stall reports)"
+        )
+    return float(value)
+
+
+def step_deadline_s(setting: Literal["auto"] | float | None, slowest_step_s: float | None) -> float | None:
+    """How long one training step may last before it is a stall; ``None``: not timed (off, or ``"auto"`` before
+    a step has been measured in this fit)."""
+    if setting is None:
+        return None
+    if setting != "auto":
+        return float(setting)
+    if slowest_step_s is None:
+        return None
+    return min(AUTO_CEILING_S, max(AUTO_FLOOR_S, AUTO_FACTOR * slowest_step_s))
+
+
+def paused_deadline_s(setting: Literal["auto"] | float | None) -> float:
+    """How long a rank may stay in a paused phase (data loading, validation, a save) before it is a stall."""
+    return max(PAUSED_CEILING_S, setting if isinstance(setting, float) else 0.0)
+
+
+class StallClock:
+    """This rank's side, updated from the training loop (a few attribute writes per step); read by the
+    watchdog thread."""
+
+    def __init__(self) -> None:
+        self.in_step = False
+        self.phase = "setup"
+        self.since = time.monotonic()
+        self.completed = 0
+        self.durations: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._step_start: float | None = None
+
+    def step_begins(self) -> None:
+        now = time.monotonic()
+        self.since = self._step_start = now
+        self.in_step = self.completed >= WARMUP_STEPS
+        self.phase = "training step" if self.in_step else "a warm-up step (not timed: compilation, DDP wrap)"
+
+    def step_ends(self) -> None:
+        if self.in_step and self._step_start is not None:
+            self.durations.append(time.monotonic() - self._step_start)
+        self.completed += 1
+        self._step_start = None
+        self.pause("between training steps (callbacks, data loading)")
+
+    def pause(self, what: str) -> None:
+        self.in_step = False
+        self._step_start = None  # a step that contained a save or validation is not a step time
+        self.phase = what
+        self.since = time.monotonic()
+
+    def slowest(self) -> float | None:
+        recent = tuple(self.durations)  # copied in one C call: the main thread may append meanwhile
+        return max(recent) if recent else None
+
+
+# --- the report -----------------------------------------------------------------------------------------
+
+_LIBRARY_PARTS = (
+    f"{os.sep}site-packages{os.sep}",
+    f"{os.sep}lit_parallel{os.sep}",
+    "<frozen ",
+    f"{os.sep}lib{os.sep}python",
+)
+
+
+def _is_library(filename: str) -> bool:
+    return any(part in filename for part in _LIBRARY_PARTS)
+
+
+def _waiting_in(frames: list[list]) -> str | None:
+    """The collective the innermost frames are in, in words."""
+    for filename, _, name, _ in reversed(frames):
+        path = filename.replace(os.sep, "/")
+        if "torch/distributed/" in path and not path.endswith("c10d_logger.py"):
+            if "/fsdp/" in path:
+                return f"FSDP2's {name}"
+            if "/tensor/" in path:
+                return f"a tensor-parallel collective ({name})"
+            return f"torch.distributed.{name}"
+    return None
+
+
+def short_position(answer: dict) -> str:
+    """One rank's position in a few words, e.g. ``training_step at model.py:42`` or ``backward, waiting in the
+    gradient all-reduce / reduce-scatter (from main at train.py:88)`` (the innermost frame of your code)."""
+    stage = answer.get("stage", "?").split(" (")[0].split(" of training batch")[0]
+    frames = answer.get("frames") or []
+    user = [f for f in frames if not _is_library(f[0])]
+    waiting = "the gradient all-reduce / reduce-scatter" if stage == "backward" else _waiting_in(frames)
+    text, called_from = stage, ""
+    if user:
+        filename, lineno, name, _ = user[-1]
+        if name == stage:
+            text += f" at {Path(filename).name}:{lineno}"
+        else:
+            called_from = f" (from {name} at {Path(filename).name}:{lineno})"
+    if waiting:
+        text += f", waiting in {waiting}"
+    return text + called_from
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def compose_stall_report(
+    answers: dict[int, dict], world_size: int, deadline_s: float, setting: Any, stalled_s: float
+) -> str:
+    """The one report of a stall: a summary line grouping ranks by position, then each rank's details."""
+    groups: dict[str, list[int]] = {}
+    for r in sorted(answers):
+        groups.setdefault(short_position(answers[r]), []).append(r)
+    summary = "; ".join(f"{_ranks_text(ranks)} in {pos}" for pos, ranks in groups.items())
+    configured = f"'auto': {deadline_s:g} s" if setting == "auto" else f"{setting:g} s"
+    lines = [
+        f"lit_parallel: stall: no rank completed a training step for {stalled_s:.1f} s (stall_timeout={configured});"
+        f" ending the run with exit status {STALL_EXIT_CODE}",
+        f"  {summary}",
+    ]
+    missing = sorted(set(range(world_size)) - set(answers))
+    if missing:
+        lines[1] += f"; {_ranks_text(missing)} did not answer (its main thread may hold the interpreter lock)"
+    lines.append("  where each rank is (innermost frames of its main thread, your code first):")
+    for r in sorted(answers):
+        a = answers[r]
+        lines.append(
+            f"    rank {r}: {a.get('where', '?')}, {a.get('elapsed', 0.0):.1f} s in {a.get('phase', '?')}"
+        )
+        for filename, lineno, name, code in _picked(a.get("frames") or []):
+            lines.append(f"      {filename}:{lineno} in {name}" + (f": {code}" if code else ""))
+    slowest = max((a.get("slowest") or 0.0 for a in answers.values()), default=0.0)
+    lines.append(
+        f"  The slowest recent step took {slowest:.2f} s. If a step may legitimately take longer, pass"
+        " stall_timeout=<seconds> to the strategy (or None to turn stall reports off)."
+    )
+    return "\n".join(lines)
+
+
+def _picked(frames: list[list]) -> list[list]:
+    user = [f for f in frames if not _is_library(f[0])]
+    picked = user[-2:] + frames[-2:]
+    out: list[list] = []
+    for f in picked:
+        if f not in out:
+            out.append(f)
+    return out
+
+
+# --- the watchdog thread --------------------------------------------------------------------------------
+
+
+class StallWatchdog:
+    """One thread per rank: watches this rank's :class:`StallClock`, answers other ranks' questions, and ends
+    the run on a stall. ``describe()`` returns this rank's progress and main-thread frames; ``on_end(code)``
+    runs before this process exits (the launching process waits for its child ranks there)."""
+
+    def __init__(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        clock: StallClock,
+        setting: Literal["auto"] | float,
+        describe: Callable[[], dict],
+        on_end: Callable[[int], None],
+    ) -> None:
+        self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+        self.clock, self.setting, self.describe, self.on_end = clock, setting, describe, on_end
+        self._stop = threading.Event()
+        self._answered = 0
+        self._next_check = 0.0
+        self._silent: set[int] = set()  # ranks that did not answer the last question
+        self.exit: Callable[[int], Any] = os._exit
+        self._thread = threading.Thread(target=self._run, name="lit_parallel-stall-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * CHECK_S + REPORT_WAIT_S)
+
+    def _key(self, *parts: Any) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def _run(self) -> None:
+        while not self._stop.wait(CHECK_S):
+            try:
+                self.poll()
+            except Exception:  # the store is gone (its host exited): nothing left to coordinate with
+                return
+
+    def poll(self) -> None:
+        """One look: end the run if another rank reported a stall, answer a question, check this rank's clock."""
+        asked = self.store.add(self._key("query"), 0)
+        if asked >= _END:
+            self._end(reporter=False)
+            return
+        if asked > self._answered:
+            self._answer(asked)
+        if self._stalled_here():
+            self._check()
+
+    def _answer(self, query: int) -> None:
+        now = time.monotonic()
+        clock = self.clock
+        answer = {
+            **self.describe(),
+            "query": query,
+            "in_step": clock.in_step,
+            "phase": clock.phase,
+            "elapsed": now - clock.since,
+            "slowest": clock.slowest(),
+        }
+        self.store.set(self._key("answer", self.rank), json.dumps(answer))
+        self._answered = query
+
+    def _stalled_here(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_check or not self.clock.in_step:
+            return False
+        deadline = step_deadline_s(self.setting, self.clock.slowest())
+        return deadline is not None and now - self.clock.since > deadline
+
+    def _collect(self, query: int) -> dict[int, dict]:
+        answers: dict[int, dict] = {}
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
+            for r in range(self.world_size):
+                key = self._key("answer", r)
+                if r not in answers and self.store.check([key]):
+                    got = json.loads(self.store.get(key))
+                    if got.get("query", 0) >= query:
+                        answers[r] = got
+            if len(answers) == self.world_size or time.monotonic() >= deadline:
+                return answers
+            time.sleep(0.05)
+
+    def _check(self) -> None:
+        stalled_s = time.monotonic() - self.clock.since
+        query = self.store.add(self._key("query"), 1)
+        self._answer(query)
+        answers = self._collect(query)
+        limit = paused_deadline_s(self.setting)
+        paused = [r for r, a in answers.items() if not a["in_step"] and a["elapsed"] < limit]
+        # a rank that did not answer twice in a row is stuck (its main thread holds the interpreter lock);
+        # once may just be a busy machine
+        missing = set(range(self.world_size)) - set(answers)
+        silent_before, self._silent = self._silent, missing
+        deadline = step_deadline_s(self.setting, self.clock.slowest()) or 0.0
+        if paused or not self.clock.in_step or not missing <= silent_before:
+            # a rank loading data, validating or saving holds the others up: not a stall (yet)
+            self._next_check = time.monotonic() + max(5.0, deadline / 4)
+            return
+        if self.store.add(self._key("reporter"), 1) != 1:
+            self._next_check = float("inf")  # another rank reports; wait for the end
+            return
+        _stderr(compose_stall_report(answers, self.world_size, deadline, self.setting, stalled_s))
+        self.store.add(self._key("query"), _END)
+        self._end(reporter=True)
+
+    def _end(self, reporter: bool) -> None:
+        try:
+            acks = self.store.add(self._key("acks"), 1)
+            wait_until = time.monotonic() + REPORT_WAIT_S
+            while reporter and acks < self.world_size and time.monotonic() < wait_until:
+                time.sleep(0.05)
+                acks = self.store.add(self._key("acks"), 0)
+        except Exception:
+            pass
+        self.on_end(STALL_EXIT_CODE)
+        self.exit(STALL_EXIT_CODE)

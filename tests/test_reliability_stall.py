@@ -1,0 +1,168 @@
+"""Stall reports, signals and what a strategy leaves behind after ``fit`` (issue 13 items 2-3, issue 16 item 4),
+on real gloo ranks.
+
+Three launches, each failing on purpose at its end:
+
+1. Lightning's launcher, 2 ranks: three fits in the same processes with ``stall_timeout=3`` and slow phases
+   that are not stalls (a slow first step, validation, checkpoint save, data loading), threads and
+   environment checked during and after each; then rank 1 sleeps for good in ``training_step``.
+2. Lightning's launcher, 2 ranks: rank 1 sleeps for good, rank 0 waits in a collective, ``SIGINT`` to the
+   launching process.
+3. torchrun, 2 ranks: the same with ``SIGTERM`` to torchrun's agent.
+
+Expected positions are read from the scenario's source, exit statuses from the processes themselves.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_parallel.reliability.signals import exit_status
+from lit_parallel.reliability.stall import STALL_EXIT_CODE
+from tests.harness import launch
+from tests.scenarios import reliability_stall as sc
+
+pytestmark = pytest.mark.multiprocess
+SC = "tests.scenarios.reliability_stall"
+BATCHES = sc.N_SAMPLES // (2 * sc.BATCH)  # training batches per fit and rank
+# how long the processes may outlive a stall report's deadline or a signal (start-up noise on a loaded machine)
+SLACK_S = 10.0
+
+
+def _stamp(path: Path) -> float:
+    return float(path.read_text())
+
+
+def _launch(tmp_path_factory, tag: str, scenarios: list[str], launcher: str, **args) -> tuple:
+    root = tmp_path_factory.mktemp(tag)
+    data = root / "data"
+    data.mkdir()
+    start = time.time()
+    res = launch(
+        [f"{SC}:{s}" for s in scenarios],
+        2,
+        root,
+        args={"dir": str(data), **args},
+        launcher=launcher,
+        timeout=400,
+        expect_failure=True,
+    )
+    return res, data, start + res.wall_s
+
+
+def _line_of(marker: str) -> int:
+    lines = Path(inspect.getsourcefile(sc)).read_text().splitlines()
+    return next(i + 1 for i, line in enumerate(lines) if marker in line)
+
+
+# --- launch 1: three fits, then a stall ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stall(tmp_path_factory):
+    return _launch(
+        tmp_path_factory, "stall", ["three_fits_without_false_stalls", "stall_then_exit"], "lightning"
+    )
+
+
+@pytest.mark.timeout(460)
+def test_repeated_fits_stop_every_thread_and_restore_the_environment(stall):
+    _, data, _ = stall
+    for rank in (0, 1):
+        out = torch.load(data / f"fits_rank{rank}.pt", weights_only=True)
+        watcher = "lit_parallel-launcher-watchdog" if rank == 0 else "lit_parallel-parent-watchdog"
+        expected = sorted(
+            [
+                watcher,
+                "lit_parallel-rank-watchdog",
+                "lit_parallel-signal-watchdog",
+                "lit_parallel-stall-watchdog",
+            ]
+        )
+        assert out["before"] == []
+        for fit in ("fit1", "fit2", "fit3"):
+            # one of each while the strategy is set up (none accumulates), none after its teardown
+            assert out[fit]["during"] == expected, (rank, fit, out[fit]["during"])
+            assert out[fit]["after"] == [], (rank, fit, out[fit]["after"])
+        if rank == 0:  # the launching process: the variable is for the ranks it starts, never left set here
+            assert out["env_before"] is None
+            assert [out[f]["env"] for f in ("fit1", "fit2", "fit3")] == [None, None, None]
+        else:  # a started rank inherits it: its launching process's pid
+            assert out["fit3"]["env"].isdigit()
+
+
+@pytest.mark.timeout(460)
+def test_slow_first_step_validation_save_and_data_loading_are_not_reported_as_stalls(stall):
+    res, data, _ = stall
+    for rank in (0, 1):
+        out = torch.load(data / f"fits_rank{rank}.pt", weights_only=True)
+        assert [out[f]["losses"] for f in ("fit1", "fit2", "fit3")] == [BATCHES] * 3
+    assert (data / "ckpt").is_dir()  # the slow saves happened
+    assert res.output.count("lit_parallel: stall:") == 1  # the real stall at the end, nothing before
+
+
+@pytest.mark.timeout(460)
+def test_a_rank_stuck_in_training_step_is_reported_once_and_every_rank_exits(stall):
+    res, data, end = stall
+    assert res.returncode == STALL_EXIT_CODE and not res.timed_out  # every process of the session is gone
+    assert res.output.count("lit_parallel: stall:") == 1
+    report = res.output[res.output.index("lit_parallel: stall:") :]
+    summary = report.splitlines()[1]
+    line = _line_of("# STALL HERE")
+    assert f"rank 1 in training_step at reliability_stall.py:{line}" in summary, summary
+    assert "rank 0 in backward, waiting in the gradient all-reduce / reduce-scatter" in summary, summary
+    assert "rank 1: training_step of training batch 3 (epoch 0)" in report
+    assert f"reliability_stall.py:{line} in training_step: time.sleep(3600)" in report
+    stalled_for = float(re.search(r"no rank completed a training step for ([0-9.]+) s", report).group(1))
+    assert sc.STALL_S < stalled_for < sc.STALL_S + SLACK_S
+    gone = end - _stamp(data / "stall_started")
+    print(f"stall to report: {stalled_for:.1f} s; stall to every process gone: {gone:.1f} s")
+    assert gone < sc.STALL_S + SLACK_S
+
+
+# --- launches 2 and 3: signals while a rank blocks in a collective ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sigint_lightning(tmp_path_factory):
+    return _launch(tmp_path_factory, "sigint", ["signal_while_blocked"], "lightning", signal="SIGINT")
+
+
+@pytest.fixture(scope="module")
+def sigterm_torchrun(tmp_path_factory):
+    return _launch(tmp_path_factory, "sigterm", ["signal_while_blocked"], "torchrun", signal="SIGTERM")
+
+
+@pytest.mark.timeout(460)
+def test_sigint_to_lightnings_launching_process_ends_every_rank_with_status_130(sigint_lightning):
+    res, data, end = sigint_lightning
+    assert exit_status(2) == 130
+    assert res.returncode == 130 and not res.timed_out and res.results == {}
+    assert _stamp(data / "signal_sent") - _stamp(data / "stall_started") >= 1.0  # rank 0 was blocked
+    # the launching process passed the signal on and reports how the rank it started ended
+    assert (
+        "received SIGINT: exiting with status 130; exit status of the ranks it started: rank 1: 130"
+        in res.output
+    )
+    gone = end - _stamp(data / "signal_sent")
+    print(f"SIGINT to every process gone: {gone:.2f} s")
+    assert gone < SLACK_S
+
+
+@pytest.mark.timeout(460)
+def test_sigterm_to_torchrun_ends_every_rank_with_status_143(sigterm_torchrun):
+    res, data, end = sigterm_torchrun
+    assert not res.timed_out and res.results == {}
+    assert res.returncode != 0  # torchrun's agent itself raises SignalException (status 1)
+    assert "Sending process" in res.output and "closing signal SIGTERM" in res.output  # torchrun passed it on
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} \(pid \d+\) received SIGTERM: exiting with status 143", res.output)
+    gone = end - _stamp(data / "signal_sent")
+    print(f"SIGTERM to torchrun to every process gone: {gone:.2f} s")
+    assert gone < SLACK_S
