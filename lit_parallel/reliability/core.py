@@ -155,7 +155,7 @@ class Reliability:
             groups.set_timeout_on_all_groups(self.timeout)
 
     def _start_reporter(self) -> None:
-        if self.reporter is not None or dist.get_world_size() == 1:
+        if self.reporter is not None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         store = groups.default_store()
         if store is None:
@@ -189,7 +189,7 @@ class Reliability:
 
     def _install_signal_exit(self) -> None:
         """SIGINT / SIGTERM end every rank with 128 + N (see :mod:`~lit_parallel.reliability.signals`)."""
-        if self.signals is not None or dist.get_world_size() == 1:
+        if self.signals is not None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         skip = self.preemption.signum if self.preemption is not None else None
         self.signals = SignalExit(dist.get_rank(), launcher.stop_children, skip=skip)

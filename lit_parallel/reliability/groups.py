@@ -57,9 +57,9 @@ def init_process_group(strategy: Any, timeout: timedelta | None) -> None:
             timeout=rendezvous,
         )
         return
-    kwargs: dict[str, Any] = {"timeout": rendezvous}
-    if strategy.root_device.type != "cpu":
-        kwargs["device_id"] = strategy.root_device
+    # as Lightning's: the device binds NCCL's communicator eagerly; None on CPU
+    device_id = strategy.root_device if strategy.root_device.type != "cpu" else None
+    kwargs: dict[str, Any] = {"timeout": rendezvous, "device_id": device_id}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is not None:
         kwargs["store"] = _attempt_store(strategy, attempt, rendezvous)

@@ -42,12 +42,6 @@ _MP_TESTS = "strategies/test_model_parallel.py::"
 
 # (modes, test id pattern relative to tests_pytorch, anchor)
 ALLOWED: list[tuple[tuple[str, ...], str, str]] = [
-    (("ddp_tuned",), "strategies/test_ddp.py::test_set_timeout", "process-group-set-up"),
-    (
-        ("ddp_tuned",),
-        "strategies/test_ddp.py::test_device_id_passed_for_cuda_devices_pytorch",
-        "process-group-set-up",
-    ),
     (_MP, _MP_TESTS + "test_set_timeout", "process-group-set-up"),
     (_MP, _MP_TESTS + "test_torch_greater_equal_2_4", "error-messages"),
     (_MP, _MP_TESTS + "test_fsdp_v1_modules_unsupported", "error-messages"),
