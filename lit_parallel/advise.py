@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_parallel.parallel.advisor import PRECISIONS, Advice, advise
+from lit_parallel.parallel.precision import PRECISION_ALIASES, canonical_precision
 from lit_parallel.parallel.formatting import format_bytes
 
 EPILOG = """examples:
@@ -81,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default="bf16-mixed",
-        choices=list(PRECISIONS),
-        help="Trainer precision the accounting follows (default bf16-mixed)",
+        help=f"Trainer precision the accounting follows: {', '.join(PRECISIONS)} or Lightning's short"
+        f" forms {', '.join(PRECISION_ALIASES)} (default bf16-mixed)",
     )
     p.add_argument(
         "--block-params",
@@ -109,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be at least 1")
     if args.model_kwargs and not args.model:
         raise ValueError("--model-kwargs goes with --model IMPORT.PATH:Class")
+    if args.params is not None and (args.batch_size is not None or args.seq_len is not None):
+        raise ValueError(
+            "--batch-size and --seq-len go with --model: activations are measured by tracing the model's"
+            " forward, and --params gives only a parameter count (model state is counted, activations are"
+            " not); pass --model IMPORT.PATH:Class, or drop them"
+        )
+    args.precision = canonical_precision(args.precision)
     if args.model and args.block_params:
         raise ValueError("--block-params goes with --params; with --model the blocks are found in the model")
     advice = advise(
@@ -178,7 +186,10 @@ def print_advice(a: Advice) -> None:
     console.print(table)
     console.print("[bold]rules[/bold] (in order; the first that holds decides):")
     for rule, holds, evidence in a.evaluations:
-        mark = {True: "[green]yes[/green]", False: "no", None: "[yellow]n/a[/yellow]"}[holds]
+        mark = a.verdict(rule, holds)
+        mark = {"yes": "[green]yes[/green]", "n/a": "[yellow]n/a[/yellow]", "last resort": "[red]last resort[/red]"}.get(
+            mark, mark
+        )
         console.print(f"  {rule.number}. {rule.strategy}: {mark}: {evidence}")
     rule_no = a.rule.number if a.rule else "?"
     console.print(

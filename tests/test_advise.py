@@ -227,3 +227,66 @@ def test_advise_command_refuses_bad_input_with_the_value_and_the_fix(args, messa
         code = main(["advise", *args])
     assert code == 2
     assert message in err.getvalue()
+
+
+# --- rough edges a new user runs into (issue 15) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("alias", "flag"), [("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true")])
+def test_lightning_short_precision_flags_are_accepted_with_their_lightning_meaning(alias, flag):
+    # Lightning maps "bf16" -> "bf16-mixed", "16" -> "16-mixed", "32" -> "32-true"
+    a = advise(1e9, devices=1, memory_gb=80, precision=alias)
+    assert a.precision == flag
+    assert a.row("DDP").state_bytes == pytest.approx(16e9)  # 2+2+12 and 4+4+8 are both 16 bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "1e30"], "params=1e+30 is more than 1e+15 parameters"),
+        (["--params", "1e9", "--memory-gb", "inf"], "memory_gb=inf is not the memory of one device"),
+        (["--params", "1e9", "--memory-gb", "nan"], "memory_gb=nan must be a positive number"),
+        (["--params", "1e9", "--batch-size", "4"], "--batch-size and --seq-len go with --model"),
+        (["--params", "1e9", "--seq-len", "128"], "activations are measured by tracing the model's forward"),
+        (
+            ["--model", "tests.models:ResidualMLP", "--model-kwargs", '{"dpeth": 8}'],
+            "model_kwargs key 'dpeth' is not an argument of ResidualMLP; did you mean 'depth'?",
+        ),
+        (["--params", "1e9", "--precision", "transformer-engine"], "Transformer Engine's FP8 is not modelled"),
+    ],
+)
+def test_advise_command_refuses_nonsense_in_one_line(args, message):
+    import contextlib
+    import io
+
+    from lit_parallel.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["advise", *args])
+    assert code == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err.getvalue()
+
+
+def test_precision_short_form_on_the_command_line(capsys, monkeypatch):
+    from lit_parallel.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["advise", "--params", "1e9", "--devices", "1", "--memory-gb", "80", "--precision", "bf16"]) == 0
+    assert "precision bf16-mixed: 2 + 2 + 12 = 16 bytes per parameter" in capsys.readouterr().out
+
+
+def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(capsys, monkeypatch):
+    from lit_parallel.cli import main
+
+    # 70e9 x 16 bytes / 8 ranks = 140 GB > 80 GB: fsdp_blocks is chosen only because nothing else holds
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["advise", "--params", "70e9", "--devices", "8", "--memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if s.strip().startswith("4. fsdp_blocks"))
+    assert "yes" not in line and "last resort" in line and "does not fit" in line and "140.00 GB" in line
+    a = advise(70e9, devices=8, memory_gb=80)
+    assert a.verdict(RULES[-1], True) == "last resort"
+    fits = advise(70e9, devices=8, nodes=4, memory_gb=80, block_params=0.86e9)  # 35 GB per rank
+    assert fits.verdict(RULES[-1], True) == "yes"
