@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from lit_parallel.parallel.advisor import PRECISIONS, Advice, advise
-from lit_parallel.parallel.precision import PRECISION_ALIASES, canonical_precision
 from lit_parallel.parallel.formatting import format_bytes
+from lit_parallel.parallel.precision import PRECISION_ALIASES, canonical_precision
 
 EPILOG = """examples:
   lit-parallel advise --params 7B --devices 8 --memory-gb 80
@@ -187,9 +187,11 @@ def print_advice(a: Advice) -> None:
     console.print("[bold]rules[/bold] (in order; the first that holds decides):")
     for rule, holds, evidence in a.evaluations:
         mark = a.verdict(rule, holds)
-        mark = {"yes": "[green]yes[/green]", "n/a": "[yellow]n/a[/yellow]", "last resort": "[red]last resort[/red]"}.get(
-            mark, mark
-        )
+        mark = {
+            "yes": "[green]yes[/green]",
+            "n/a": "[yellow]n/a[/yellow]",
+            "last resort": "[red]last resort[/red]",
+        }.get(mark, mark)
         console.print(f"  {rule.number}. {rule.strategy}: {mark}: {evidence}")
     rule_no = a.rule.number if a.rule else "?"
     console.print(

@@ -252,7 +252,10 @@ def test_lightning_short_precision_flags_are_accepted_with_their_lightning_meani
             ["--model", "tests.models:ResidualMLP", "--model-kwargs", '{"dpeth": 8}'],
             "model_kwargs key 'dpeth' is not an argument of ResidualMLP; did you mean 'depth'?",
         ),
-        (["--params", "1e9", "--precision", "transformer-engine"], "Transformer Engine's FP8 is not modelled"),
+        (
+            ["--params", "1e9", "--precision", "transformer-engine"],
+            "Transformer Engine's FP8 is not modelled",
+        ),
     ],
 )
 def test_advise_command_refuses_nonsense_in_one_line(args, message):
@@ -273,7 +276,9 @@ def test_precision_short_form_on_the_command_line(capsys, monkeypatch):
     from lit_parallel.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")
-    assert main(["advise", "--params", "1e9", "--devices", "1", "--memory-gb", "80", "--precision", "bf16"]) == 0
+    assert (
+        main(["advise", "--params", "1e9", "--devices", "1", "--memory-gb", "80", "--precision", "bf16"]) == 0
+    )
     assert "precision bf16-mixed: 2 + 2 + 12 = 16 bytes per parameter" in capsys.readouterr().out
 
 
