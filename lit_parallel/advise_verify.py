@@ -129,6 +129,7 @@ def measure_step(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[probe],
+        use_distributed_sampler=False,  # every rank steps every batch: the measured steps are all there
     )
     loader = torch.utils.data.DataLoader([inputs] * (2 + repeats), batch_size=None)
     trainer.fit(_lightning_module(model), loader)
