@@ -114,7 +114,7 @@ def measure_step(
 
     import lightning as L
 
-    probe = _probe(track_batch=1)
+    probe = _probe(track_batch=3)
     for name in ("lightning.pytorch", "lightning.fabric"):  # the tips and device banners of every Trainer
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -123,7 +123,7 @@ def measure_step(
         devices=devices,
         strategy=strategy,
         precision="32-true",
-        max_steps=2 + repeats,
+        max_steps=4 + repeats,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -131,7 +131,7 @@ def measure_step(
         callbacks=[probe],
         use_distributed_sampler=False,  # every rank steps every batch: the measured steps are all there
     )
-    loader = torch.utils.data.DataLoader([inputs] * (2 + repeats), batch_size=None)
+    loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
     trainer.fit(_lightning_module(model), loader)
     return probe.peak, min(probe.times)  # the fastest step: the least disturbed by other processes
 
