@@ -16,6 +16,7 @@ from torch import nn
 
 from lit_parallel._compat import storage_key
 from lit_parallel.parallel.example_inputs import meta_example_input, to_meta
+from lit_parallel.parallel.fused_attention import fused_attention_on_meta
 from lit_parallel.parallel.precision import precision_bytes
 
 
@@ -98,7 +99,7 @@ def _saved_bytes(
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fused_attention_on_meta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = functional_call(target, state, args, strict=False)
     finally:
         for h in handles:

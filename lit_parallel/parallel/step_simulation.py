@@ -10,6 +10,7 @@ state) is accounted for by :mod:`lit_parallel.parallel.peak`, not simulated.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch import nn
 
 from lit_parallel.parallel.activations import forward_target
 from lit_parallel.parallel.example_inputs import meta_example_input, to_meta
+from lit_parallel.parallel.fused_attention import fused_attention_on_meta
 from lit_parallel.parallel.live_memory import LiveMemory, MemoryPeak
 
 
@@ -126,7 +128,9 @@ def simulate_step(
     args = tuple(to_meta(a, dtype) for a in example.args)
     target = forward_target(meta, blocks)
     tracker = LiveMemory(list(meta.parameters()), exact=False)
-    with tracker:
+    # fused attention is simulated without checkpointing only: recomputation must see the same ops
+    attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
+    with attention, tracker:
         loss = default_loss(target(*args), args)
         forward_peak = tracker.peak_so_far()
         saved = tracker.snapshot().by_category["activations"]

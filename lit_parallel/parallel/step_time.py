@@ -96,7 +96,11 @@ def _capture_block_call(
     def fresh(t: Any) -> Any:  # cut from the model's graph, so the block's own step can be counted alone
         if isinstance(t, torch.Tensor):
             return t.detach().requires_grad_(t.is_floating_point())
-        return t
+        if isinstance(t, (tuple, list)):  # e.g. Hugging Face's (cos, sin) position embeddings
+            return type(t)(fresh(x) for x in t)
+        if t is None or isinstance(t, (bool, int, float, str)):
+            return t
+        return None  # e.g. a key/value cache object holding the model's graph: the block runs without it
 
     a, k = seen[0]
     return tuple(fresh(x) for x in a), {n: fresh(v) for n, v in k.items()}, total
@@ -104,10 +108,12 @@ def _capture_block_call(
 
 def _real(t: Any, dtype: torch.dtype) -> Any:
     """A real CPU tensor shaped like meta ``t``: floats random (in ``dtype``), booleans true, integers zero."""
+    if isinstance(t, (tuple, list)):
+        return type(t)(_real(x, dtype) for x in t)
     if not isinstance(t, torch.Tensor):
         return t
     if t.is_floating_point():
-        return torch.randn(t.shape, dtype=dtype).requires_grad_(True)
+        return torch.randn(t.shape, dtype=dtype).requires_grad_(t.requires_grad)
     if t.dtype == torch.bool:
         return torch.ones(t.shape, dtype=torch.bool)
     return torch.zeros(t.shape, dtype=t.dtype)
