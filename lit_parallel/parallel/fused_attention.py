@@ -32,8 +32,9 @@ def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     meta = all(isinstance(t, torch.Tensor) and t.is_meta and t.dim() == 4 for t in (q, k, v))
     if not meta or dropout_p or enable_gqa or k.shape[1] != q.shape[1]:
         return None
-    kw = {"attn_mask": attn_mask, "scale": scale}
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, **kw)[0]
+    from lit_parallel._compat import flash_attention_for_cpu
+
+    return flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 @contextmanager
