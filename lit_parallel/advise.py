@@ -113,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="shape of one sample of float input, e.g. 3,32,32 for images (for a model without"
         " example_input_array that does not start with an embedding)",
     )
+    _add_prediction_arguments(p)
+
+
+def _add_prediction_arguments(p: argparse.ArgumentParser) -> None:
+    """The peak-memory / step-time options (with ``--model``) and ``--json``."""
     p.add_argument(
         "--json", metavar="PATH", help="also write every figure as JSON (schema: docs/cli.md, advise section)"
     )
