@@ -60,9 +60,17 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"no experiment {unknown[0]!r}; choose one of {', '.join(EXPERIMENTS)} or 'all'")
     out = Path(args.out)
+    shared: dict[str, dict] = {}
+    if len(names) > 1:  # every 2-rank part in one launch (lab/combined.py): start-up is paid once
+        from lit_parallel.lab.common import launch
+
+        start = time.perf_counter()
+        argv = [f"--experiments={','.join(names)}", *(["--quick"] if args.quick else [])]
+        shared = launch("lit_parallel.lab.combined", 2, argv, timeout=3600)
+        print(f"2-rank runs of {', '.join(names)}: {time.perf_counter() - start:.0f} s")
     for name in names:
         start = time.perf_counter()
         module = importlib.import_module(EXPERIMENTS[name][0])
-        files = module.run(out, quick=args.quick)
+        files = module.run(out, quick=args.quick, result=shared.get(name))
         print(f"{name}: {time.perf_counter() - start:.0f} s: " + ", ".join(str(f) for f in files))
     return 0

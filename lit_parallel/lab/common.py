@@ -113,6 +113,21 @@ def save(fig: Any, path: Path) -> Path:
     return path
 
 
+def run_worker(compute: Callable[[Any], dict[str, Any]], args: Any) -> int:
+    """The body of every experiment's ``--worker``: join the ranks, compute, rank 0 writes the result."""
+    import torch.distributed as dist
+
+    from lit_parallel.launch import write_result
+
+    threads()
+    rank, _ = init_ranks()
+    result = compute(args)
+    if rank == 0:
+        write_result(args.result, result)
+    dist.barrier()
+    return 0
+
+
 def threads() -> None:
     """One intra-op thread per rank: N ranks on N cores, the usual CPU setup (and fair comparisons)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

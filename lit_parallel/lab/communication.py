@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lit_parallel.lab.common import FEATURES, figure, launch, mlp, save, threads, timed, write_csv
+from lit_parallel.lab.common import FEATURES, figure, launch, mlp, run_worker, save, timed, write_csv
 
 HOOKS = ("none", "fp16")
 
@@ -53,43 +53,35 @@ def _measure(batch: int, bucket_mb: float, hook: str, repeats: int) -> dict[str,
     }
 
 
-def worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from lit_parallel.lab.common import init_ranks
-    from lit_parallel.launch import write_result
-
-    threads()
-    rank, _ = init_ranks()
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """In every rank: every batch size x bucket size x hook, timed with and without communication."""
     rows = []
     for batch in map(int, args.batches.split(",")):
         for bucket in map(float, args.buckets.split(",")):
             for hook in HOOKS:
-                rows.append(
-                    {
-                        "batch": batch,
-                        "bucket_mb": bucket,
-                        "hook": hook,
-                        **_measure(batch, bucket, hook, args.repeats),
-                    }
-                )
-    if rank == 0:
-        write_result(
-            args.result,
-            {"rows": rows, "params": sum(p.numel() for p in mlp(hidden=512, depth=4).parameters())},
-        )
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+                figures = _measure(batch, bucket, hook, args.repeats)
+                rows.append({"batch": batch, "bucket_mb": bucket, "hook": hook, **figures})
+    return {"rows": rows, "params": sum(p.numel() for p in mlp(hidden=512, depth=4).parameters())}
 
 
-def run(out: Path, quick: bool = False) -> list[Path]:
+def worker_args(quick: bool) -> list[str]:
     batches, buckets, repeats = ("8,256", "1,25", 3) if quick else ("8,32,128,512", "1,5,25", 7)
-    res = launch(
-        "lit_parallel.lab.communication",
-        2,
-        [f"--batches={batches}", f"--buckets={buckets}", f"--repeats={repeats}"],
-    )
+    return [f"--batches={batches}", f"--buckets={buckets}", f"--repeats={repeats}"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lit_parallel.lab.communication")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--result")
+    p.add_argument("--batches", default="8,256")
+    p.add_argument("--buckets", default="1,25")
+    p.add_argument("--repeats", type=int, default=3)
+    return p
+
+
+def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) -> list[Path]:
+    """Launch the ranks (unless ``result`` already holds what they computed), write CSV and PNG."""
+    res = result if result is not None else launch("lit_parallel.lab.communication", 2, worker_args(quick))
     rows = res["rows"]
     files = [write_csv(out / "communication.csv", rows)]
     fig, (ax_share, ax_time) = figure(2)
@@ -112,10 +104,4 @@ def run(out: Path, quick: bool = False) -> list[Path]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
-    p.add_argument("--batches", default="8,256")
-    p.add_argument("--buckets", default="1,25")
-    p.add_argument("--repeats", type=int, default=3)
-    raise SystemExit(worker(p.parse_args()))
+    raise SystemExit(run_worker(compute, parser().parse_args()))

@@ -13,15 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from lit_parallel.lab.common import figure, launch, save, threads, write_csv
+from lit_parallel.lab.common import figure, launch, run_worker, save, write_csv
 from lit_parallel.parallel.live_memory import CATEGORIES
 
 STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "tp_dp")
 BATCH = 16
+WIDTHS = {True: (32, 128), False: (32, 64, 128, 256, 512)}  # --quick or not
 
 
 class Block(nn.Module):
@@ -59,31 +61,38 @@ def _strategy(name: str):
     return lp.TensorParallelStrategy() if name == "tp_dp" else strategy_object(name)
 
 
-def worker(args: argparse.Namespace) -> int:
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """In every rank: every width under every strategy; each peak is the largest rank's."""
     import torch.distributed as dist
 
     from lit_parallel.advise_verify import measure_step, peak_dict
-    from lit_parallel.launch import write_result
 
-    threads()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for width in map(int, args.widths.split(",")):
         for name in STRATEGIES:
             torch.manual_seed(0)
-            model = BlockMLP(width)
+            model, x = BlockMLP(width), (torch.randn(BATCH, width),)
             try:
-                peak, _ = measure_step(
-                    model, (torch.randn(BATCH, width),), strategy=_strategy(name), devices=2, repeats=1
-                )
+                peak, _ = measure_step(model, x, strategy=_strategy(name), devices=2, repeats=1)
             except Exception as err:  # reported in the CSV, the others still measured
                 rows.append({"width": width, "strategy": name, "error": f"{type(err).__name__}: {err}"})
                 continue
-            peaks = [None] * dist.get_world_size()
+            peaks: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(peaks, peak_dict(peak))
             rows.append({"width": width, "strategy": name, "measured": max(peaks, key=lambda p: p["total"])})
-    if dist.get_rank() == 0:
-        write_result(args.result, {"rows": rows})
-    return 0
+    return {"rows": rows}
+
+
+def worker_args(quick: bool) -> list[str]:
+    return [f"--widths={','.join(map(str, WIDTHS[quick]))}"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lit_parallel.lab.memory")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--result")
+    p.add_argument("--widths", default="32,128")
+    return p
 
 
 def predicted(width: int) -> dict[str, float]:
@@ -95,9 +104,14 @@ def predicted(width: int) -> dict[str, float]:
     return {s: p.total for s, p in pred.report.peaks.items()}
 
 
-def run(out: Path, quick: bool = False) -> list[Path]:
-    widths = (32, 128) if quick else (32, 64, 128, 256, 512)
-    res = launch("lit_parallel.lab.memory", 2, [f"--widths={','.join(map(str, widths))}"], timeout=1200)
+def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) -> list[Path]:
+    """Launch the ranks (unless ``result`` already holds what they computed), write CSV and PNG."""
+    widths = WIDTHS[quick]
+    res = (
+        result
+        if result is not None
+        else launch("lit_parallel.lab.memory", 2, worker_args(quick), timeout=1200)
+    )
     rows = []
     for r in res["rows"]:
         pred = predicted(r["width"])[r["strategy"]]
@@ -134,8 +148,4 @@ def run(out: Path, quick: bool = False) -> list[Path]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
-    p.add_argument("--widths", default="32,128")
-    raise SystemExit(worker(p.parse_args()))
+    raise SystemExit(run_worker(compute, parser().parse_args()))

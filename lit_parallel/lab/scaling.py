@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,8 +23,8 @@ from lit_parallel.lab.common import (
     figure,
     launch,
     mlp,
+    run_worker,
     save,
-    threads,
     write_csv,
 )
 
@@ -62,33 +63,46 @@ def _train(
     }
 
 
-def worker(args: argparse.Namespace) -> int:
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """In every rank: the three runs at this world size."""
     import torch.distributed as dist
 
-    from lit_parallel.lab.common import init_ranks
-    from lit_parallel.launch import write_result
-
-    threads()
-    rank, world = init_ranks()
-    runs = {
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {
         "equal global batch": _train(GLOBAL_BATCH // world, LR, args.samples, args.epochs, rank, world),
         "kept per-rank batch, same lr": _train(PER_RANK_BATCH, LR, args.samples, args.epochs, rank, world),
         "kept per-rank batch, lr x N": _train(
             PER_RANK_BATCH, LR * world, args.samples, args.epochs, rank, world
         ),
     }
-    if rank == 0:
-        write_result(args.result, runs)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
-def run(out: Path, quick: bool = False) -> list[Path]:
-    ranks, samples, epochs = ((1, 2), 256, 3) if quick else ((1, 2, 4), 2048, 5)
+def worker_args(quick: bool) -> list[str]:
+    samples, epochs = (256, 3) if quick else (2048, 5)
+    return [f"--samples={samples}", f"--epochs={epochs}"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lit_parallel.lab.scaling")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--result")
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=3)
+    return p
+
+
+def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) -> list[Path]:
+    """Launch 1, 2 (and 4) ranks, write CSV and PNG; ``result`` may hold the 2-rank run already made
+    (``lab all`` runs it in its shared launch)."""
+    ranks = (1, 2) if quick else (1, 2, 4)
+    epochs = parser().parse_args(worker_args(quick)).epochs
     rows = []
     for n in ranks:
-        res = launch("lit_parallel.lab.scaling", n, [f"--samples={samples}", f"--epochs={epochs}"])
+        res = (
+            result
+            if (n == 2 and result is not None)
+            else launch("lit_parallel.lab.scaling", n, worker_args(quick))
+        )
         rows += [{"ranks": n, "run": name, **figures} for name, figures in res.items()]
     files = [write_csv(out / "scaling.csv", rows)]
     fig, (ax_speed, ax_acc) = figure(2)
@@ -112,9 +126,4 @@ def run(out: Path, quick: bool = False) -> list[Path]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
-    p.add_argument("--samples", type=int, default=256)
-    p.add_argument("--epochs", type=int, default=2)
-    raise SystemExit(worker(p.parse_args()))
+    raise SystemExit(run_worker(compute, parser().parse_args()))

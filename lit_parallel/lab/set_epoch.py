@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lit_parallel.lab.common import classification_data, figure, launch, mlp, save, threads, write_csv
+from lit_parallel.lab.common import classification_data, figure, launch, mlp, run_worker, save, write_csv
 
 MODES = ("set_epoch called", "set_epoch forgotten")
 
@@ -57,25 +57,32 @@ def _train(
     return orders, losses
 
 
-def worker(args: argparse.Namespace) -> int:
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """In every rank: both runs; every rank's index orders gathered."""
     import torch.distributed as dist
 
-    from lit_parallel.lab.common import init_ranks
-    from lit_parallel.launch import write_result
-
-    threads()
-    rank, world = init_ranks()
+    rank, world = dist.get_rank(), dist.get_world_size()
     result: dict[str, Any] = {}
     for mode in MODES:
         orders, losses = _train(mode == MODES[0], args.samples, args.epochs, rank, world)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, orders)
         result[mode] = {"orders": gathered, "losses": losses}
-    if rank == 0:
-        write_result(args.result, result)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return result
+
+
+def worker_args(quick: bool) -> list[str]:
+    samples, epochs = (64, 3) if quick else (512, 8)
+    return [f"--samples={samples}", f"--epochs={epochs}"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lit_parallel.lab.set_epoch")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--result")
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=3)
+    return p
 
 
 def order_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -97,9 +104,12 @@ def order_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def run(out: Path, quick: bool = False) -> list[Path]:
-    samples, epochs = (64, 3) if quick else (512, 8)
-    result = launch("lit_parallel.lab.set_epoch", 2, [f"--samples={samples}", f"--epochs={epochs}"])
+def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) -> list[Path]:
+    """Launch the ranks (unless ``result`` already holds what they computed), write CSV and PNG."""
+    args = parser().parse_args(worker_args(quick))
+    samples, epochs = args.samples, args.epochs
+    if result is None:
+        result = launch("lit_parallel.lab.set_epoch", 2, worker_args(quick))
     rows = order_rows(result)
     losses = [{"mode": m, "epoch": e, "loss": v} for m in MODES for e, v in enumerate(result[m]["losses"])]
     files = [write_csv(out / "set_epoch_order.csv", rows), write_csv(out / "set_epoch_loss.csv", losses)]
@@ -122,9 +132,4 @@ def run(out: Path, quick: bool = False) -> list[Path]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
-    p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=3)
-    raise SystemExit(worker(p.parse_args()))
+    raise SystemExit(run_worker(compute, parser().parse_args()))

@@ -13,11 +13,12 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from lit_parallel.lab.common import FEATURES, figure, launch, save, threads, write_csv
+from lit_parallel.lab.common import FEATURES, figure, launch, run_worker, save, write_csv
 
 MODELS = ("all parameters used", "one branch unused")
 STRATEGIES = ("find_unused_parameters=True", "ddp_tuned (probe)")
@@ -99,25 +100,34 @@ def _run(unused: bool, strategy_name: str, steps: int) -> dict[str, float | str]
     return {"step_s": statistics.median(timer.times), "find_unused_parameters": timer.detection}
 
 
-def worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from lit_parallel.launch import write_result
-
-    threads()
+def compute(args: argparse.Namespace) -> dict[str, Any]:
+    """In every rank: both models under both strategies."""
     rows = []
     for model in MODELS:
         for strategy in STRATEGIES:
             rows.append(
                 {"model": model, "strategy": strategy, **_run(model == MODELS[1], strategy, args.steps)}
             )
-    if dist.get_rank() == 0:
-        write_result(args.result, {"rows": rows})
-    return 0
+    return {"rows": rows}
 
 
-def run(out: Path, quick: bool = False) -> list[Path]:
-    res = launch("lit_parallel.lab.unused_parameters", 2, [f"--steps={8 if quick else 40}"])
+def worker_args(quick: bool) -> list[str]:
+    return [f"--steps={8 if quick else 40}"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lit_parallel.lab.unused_parameters")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--result")
+    p.add_argument("--steps", type=int, default=8)
+    return p
+
+
+def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) -> list[Path]:
+    """Launch the ranks (unless ``result`` already holds what they computed), write CSV and PNG."""
+    res = (
+        result if result is not None else launch("lit_parallel.lab.unused_parameters", 2, worker_args(quick))
+    )
     rows = res["rows"]
     files = [write_csv(out / "unused_parameters.csv", rows)]
     fig, (ax,) = figure(1, width=6.5)
@@ -143,8 +153,4 @@ def run(out: Path, quick: bool = False) -> list[Path]:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
-    p.add_argument("--steps", type=int, default=8)
-    raise SystemExit(worker(p.parse_args()))
+    raise SystemExit(run_worker(compute, parser().parse_args()))
