@@ -246,7 +246,10 @@ def test_lightning_short_precision_flags_are_accepted_with_their_lightning_meani
         (["--params", "1e30"], "params=1e+30 is more than 1e+15 parameters"),
         (["--params", "1e9", "--memory-gb", "inf"], "memory_gb=inf is not the memory of one device"),
         (["--params", "1e9", "--memory-gb", "nan"], "memory_gb=nan must be a positive number"),
-        (["--params", "1e9", "--batch-size", "4"], "--batch-size, --seq-len and --input-shape go with --model"),
+        (
+            ["--params", "1e9", "--batch-size", "4"],
+            "--batch-size, --seq-len and --input-shape go with --model",
+        ),
         (["--params", "1e9", "--seq-len", "128"], "activations are measured by tracing the model's forward"),
         (
             ["--model", "tests.models:ResidualMLP", "--model-kwargs", '{"dpeth": 8}'],
