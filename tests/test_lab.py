@@ -97,13 +97,19 @@ def _check_memory(out):
 
 def _check_unused(out):
     rows = {(r["model"], r["strategy"]): r for r in read_csv(out / "unused_parameters.csv")}
-    probe, always = "ddp_tuned (probe)", "find_unused_parameters=True"
-    assert rows[("all parameters used", probe)]["find_unused_parameters"] == "False"
-    assert rows[("one branch unused", probe)]["find_unused_parameters"] == "True"
-    assert all(
-        rows[(m, always)]["find_unused_parameters"] == "True"
-        for m in ("all parameters used", "one branch unused")
+    probe, on, off = (
+        "ddp_tuned (probe)",
+        "DDP, find_unused_parameters=True",
+        "DDP, find_unused_parameters=False",
     )
+    used, unused = "all parameters used", "one branch unused"
+    assert rows[(used, probe)]["find_unused_parameters"] == "False"  # the probe saw every gradient
+    assert rows[(unused, probe)]["find_unused_parameters"] == "True"  # the probe saw the unused head
+    assert (
+        rows[(used, on)]["find_unused_parameters"] == rows[(unused, on)]["find_unused_parameters"] == "True"
+    )
+    assert rows[(used, off)]["find_unused_parameters"] == "False" and rows[(unused, off)]["step_s"] == ""
+    assert all(float(r["step_s"]) > 0 for r in rows.values() if r["step_s"])
 
 
 @pytest.mark.timeout(1200)
