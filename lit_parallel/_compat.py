@@ -34,6 +34,7 @@ class Entry:
 
 _C10D = "torch.distributed.distributed_c10d"
 _DCP = "torch.distributed.checkpoint"
+_PYTREE = "torch.utils._pytree"  # no public pytree in torch 2.13
 _FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
 _LAUNCHER = "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
 
@@ -54,13 +55,12 @@ ENTRIES: dict[str, Entry] = {
         "torch.overrides.TorchFunctionMode is public but does not see ops issued from C++",
     ),
     "tree_flatten": Entry(
-        "torch.utils._pytree:tree_flatten",
-        "the tensors inside nested args/outputs (parallel/tensor_parallel, parallel/tp_trace)",
-        "none in torch 2.13 (there is no torch.utils.pytree)",
+        f"{_PYTREE}:tree_flatten", "the tensors of nested args (TP, tp_trace, live_memory)"
     ),
-    "tree_map": Entry(
-        "torch.utils._pytree:tree_map", "parallel/tp_trace: tag every tensor of a nested output", "none"
+    "flash_attention_for_cpu": Entry(
+        "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu", "fused_attention"
     ),
+    "tree_map": Entry(f"{_PYTREE}:tree_map", "parallel/tp_trace: tag every tensor of a nested output"),
     "resolve_process_group": Entry(
         f"{_C10D}:_resolve_process_group",
         "parallel/comm: the size of the group a functional collective (DTensor) names by string",

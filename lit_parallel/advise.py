@@ -16,6 +16,7 @@ from typing import Any
 
 from lit_parallel.parallel.advisor import PRECISIONS, Advice, advise
 from lit_parallel.parallel.formatting import format_bytes
+from lit_parallel.parallel.precision import PRECISION_ALIASES, canonical_precision
 
 EPILOG = """examples:
   lit-parallel advise --params 7B --devices 8 --memory-gb 80
@@ -42,6 +43,19 @@ def parse_count(text: str) -> int:
     if not math.isfinite(value) or value < 1 or abs(value - round(value)) > 1e-6 * max(1.0, value):
         raise ValueError(f"{text!r} is not a positive whole number of parameters")
     return int(round(value))
+
+
+def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """``--input-shape 3,32,32`` -> ``(3, 32, 32)``."""
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(x) for x in str(text).replace("x", ",").split(",") if x.strip())
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"--input-shape {text!r} must be positive sizes separated by commas, e.g. 3,32,32")
+    return shape
 
 
 def parse_model_kwargs(text: str | None) -> dict[str, Any]:
@@ -81,8 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         default="bf16-mixed",
-        choices=list(PRECISIONS),
-        help="Trainer precision the accounting follows (default bf16-mixed)",
+        help=f"Trainer precision the accounting follows: {', '.join(PRECISIONS)} or Lightning's short"
+        f" forms {', '.join(PRECISION_ALIASES)} (default bf16-mixed)",
     )
     p.add_argument(
         "--block-params",
@@ -93,7 +107,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=None, help="per-rank micro-batch for the activation estimate"
     )
     p.add_argument("--seq-len", type=int, default=None, help="sequence length for the activation estimate")
-    p.add_argument("--json", metavar="PATH", help="also write the table and the decision as JSON")
+    p.add_argument(
+        "--input-shape",
+        metavar="D1,D2,...",
+        help="shape of one sample of float input, e.g. 3,32,32 for images (for a model without"
+        " example_input_array that does not start with an embedding)",
+    )
+    _add_prediction_arguments(p)
+
+
+def _add_prediction_arguments(p: argparse.ArgumentParser) -> None:
+    """The peak-memory / step-time options (with ``--model``) and ``--json``."""
+    p.add_argument(
+        "--json", metavar="PATH", help="also write every figure as JSON (schema: docs/cli.md, advise section)"
+    )
+    p.add_argument(
+        "--busbw-gbps",
+        type=float,
+        default=None,
+        help="all-reduce bus bandwidth of the cluster in GB/s (`lit-parallel doctor` prints it): adds"
+        " communication to the predicted step time",
+    )
+    p.add_argument(
+        "--latency-us",
+        type=float,
+        default=0.0,
+        help="time of one small all-reduce on the cluster in microseconds (doctor's 4 KiB row): charged per"
+        " collective call in the predicted step time",
+    )
+    p.add_argument(
+        "--no-step-time",
+        dest="step_time",
+        action="store_false",
+        help="skip the step-time prediction (it times one block on this machine)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="run the model briefly on this machine (CPU, 32-true) and print predicted vs measured",
+    )
+    p.add_argument(
+        "--verify-ranks",
+        type=int,
+        default=2,
+        help="ranks of the real launch --verify makes (ddp_tuned, ZeRO-2, fsdp_blocks); 1: one process only",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,13 +160,24 @@ def run(args: argparse.Namespace) -> int:
     if args.model and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # --model my_pkg.model:GPT from the project folder, as python -m does
 
-    devices = args.devices if args.devices is not None else max(1, torch.cuda.device_count())
+    devices = args.devices = args.devices if args.devices is not None else max(1, torch.cuda.device_count())
     for name in ("batch_size", "seq_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be at least 1")
     if args.model_kwargs and not args.model:
         raise ValueError("--model-kwargs goes with --model IMPORT.PATH:Class")
+    if args.params is not None and (
+        args.batch_size is not None or args.seq_len is not None or args.input_shape
+    ):
+        raise ValueError(
+            "--batch-size, --seq-len and --input-shape go with --model: activations are measured by tracing the model's"
+            " forward, and --params gives only a parameter count (model state is counted, activations are"
+            " not); pass --model IMPORT.PATH:Class, or drop them"
+        )
+    args.precision = canonical_precision(args.precision)
+    args.input_shape = parse_shape(args.input_shape)
+    _check_prediction_arguments(args)
     if args.model and args.block_params:
         raise ValueError("--block-params goes with --params; with --model the blocks are found in the model")
     advice = advise(
@@ -124,9 +193,65 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
     )
     print_advice(advice)
+    out = advice.as_dict()
+    if args.model:
+        out.update(_predict_and_verify(args))
     if args.json:
-        Path(args.json).write_text(json.dumps(advice.as_dict(), indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def _check_prediction_arguments(args: argparse.Namespace) -> None:
+    if args.busbw_gbps is not None and not (0 < args.busbw_gbps < 1e5):
+        raise ValueError(f"--busbw-gbps={args.busbw_gbps} must be a positive, finite bandwidth in GB/s")
+    if not (0 <= args.latency_us < 1e7):
+        raise ValueError(
+            f"--latency-us={args.latency_us} must be a finite, non-negative number of microseconds"
+        )
+    if args.verify and not args.model:
+        raise ValueError("--verify needs --model IMPORT.PATH:Class: it runs the model on this machine")
+    if args.verify and args.precision != "32-true":
+        raise ValueError(
+            f"--verify runs on this machine's CPU in 32-true, not {args.precision}: add --precision 32-true"
+        )
+    if args.verify_ranks < 1:
+        raise ValueError(f"--verify-ranks={args.verify_ranks} must be at least 1")
+
+
+def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D401
+    """Peak memory and step time of every strategy; with ``--verify``, predicted vs measured here."""
+    from rich.console import Console
+
+    from lit_parallel.advise_report import predict, print_prediction, print_verification, verify
+    from lit_parallel.parallel.example_inputs import NoExampleInput
+
+    console = Console()
+    kwargs = parse_model_kwargs(args.model_kwargs)
+    try:
+        pred = predict(
+            args.model,
+            kwargs,
+            precision=args.precision,
+            devices=args.devices,
+            nodes=args.nodes,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            device_type="cpu" if args.verify else "cuda",
+            step_time=args.step_time,
+            busbw_gbps=args.busbw_gbps,
+            latency_s=args.latency_us * 1e-6,
+            input_shape=args.input_shape,
+        )
+    except NoExampleInput as err:
+        console.print(f"[yellow]note[/yellow]: no peak prediction: {err}")
+        return {"prediction": None}
+    print_prediction(pred, console)
+    out: dict[str, Any] = {"prediction": pred.as_dict()}
+    if args.verify:
+        rows = verify(args.model, kwargs, args, console)
+        print_verification(rows, console)
+        out["verification"] = rows
+    return out
 
 
 def _gb(n: float | None) -> str:
@@ -178,7 +303,12 @@ def print_advice(a: Advice) -> None:
     console.print(table)
     console.print("[bold]rules[/bold] (in order; the first that holds decides):")
     for rule, holds, evidence in a.evaluations:
-        mark = {True: "[green]yes[/green]", False: "no", None: "[yellow]n/a[/yellow]"}[holds]
+        mark = a.verdict(rule, holds)
+        mark = {
+            "yes": "[green]yes[/green]",
+            "n/a": "[yellow]n/a[/yellow]",
+            "last resort": "[red]last resort[/red]",
+        }.get(mark, mark)
         console.print(f"  {rule.number}. {rule.strategy}: {mark}: {evidence}")
     rule_no = a.rule.number if a.rule else "?"
     console.print(

@@ -41,7 +41,11 @@ COMMANDS = {
     ),
     "advise": (
         "lit_parallel.advise",
-        "per-rank memory of every strategy (ZeRO accounting) for a model and cluster, and which to use",
+        "per-rank peak memory and step time of every strategy for a model and cluster, and which to use",
+    ),
+    "lab": (
+        "lit_parallel.lab",
+        "the tutorials' experiments (scaling, set-epoch, communication, memory, unused-parameters): CSV + PNG",
     ),
 }
 

@@ -227,3 +227,228 @@ def test_advise_command_refuses_bad_input_with_the_value_and_the_fix(args, messa
         code = main(["advise", *args])
     assert code == 2
     assert message in err.getvalue()
+
+
+# --- rough edges a new user runs into (issue 15) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("alias", "flag"), [("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true")])
+def test_lightning_short_precision_flags_are_accepted_with_their_lightning_meaning(alias, flag):
+    # Lightning maps "bf16" -> "bf16-mixed", "16" -> "16-mixed", "32" -> "32-true"
+    a = advise(1e9, devices=1, memory_gb=80, precision=alias)
+    assert a.precision == flag
+    assert a.row("DDP").state_bytes == pytest.approx(16e9)  # 2+2+12 and 4+4+8 are both 16 bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "1e30"], "params=1e+30 is more than 1e+15 parameters"),
+        (["--params", "1e9", "--memory-gb", "inf"], "memory_gb=inf is not the memory of one device"),
+        (["--params", "1e9", "--memory-gb", "nan"], "memory_gb=nan must be a positive number"),
+        (
+            ["--params", "1e9", "--batch-size", "4"],
+            "--batch-size, --seq-len and --input-shape go with --model",
+        ),
+        (["--params", "1e9", "--seq-len", "128"], "activations are measured by tracing the model's forward"),
+        (
+            ["--model", "tests.models:ResidualMLP", "--model-kwargs", '{"dpeth": 8}'],
+            "model_kwargs key 'dpeth' is not an argument of ResidualMLP; did you mean 'depth'?",
+        ),
+        (
+            ["--params", "1e9", "--precision", "transformer-engine"],
+            "Transformer Engine's FP8 is not modelled",
+        ),
+    ],
+)
+def test_advise_command_refuses_nonsense_in_one_line(args, message):
+    import contextlib
+    import io
+
+    from lit_parallel.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["advise", *args])
+    assert code == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err.getvalue()
+
+
+def test_precision_short_form_on_the_command_line(capsys, monkeypatch):
+    from lit_parallel.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert (
+        main(["advise", "--params", "1e9", "--devices", "1", "--memory-gb", "80", "--precision", "bf16"]) == 0
+    )
+    assert "precision bf16-mixed: 2 + 2 + 12 = 16 bytes per parameter" in capsys.readouterr().out
+
+
+def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(capsys, monkeypatch):
+    from lit_parallel.cli import main
+
+    # 70e9 x 16 bytes / 8 ranks = 140 GB > 80 GB: fsdp_blocks is chosen only because nothing else holds
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["advise", "--params", "70e9", "--devices", "8", "--memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if s.strip().startswith("4. fsdp_blocks"))
+    assert "yes" not in line and "last resort" in line and "does not fit" in line and "140.00 GB" in line
+    a = advise(70e9, devices=8, memory_gb=80)
+    assert a.verdict(RULES[-1], True) == "last resort"
+    fits = advise(70e9, devices=8, nodes=4, memory_gb=80, block_params=0.86e9)  # 35 GB per rank
+    assert fits.verdict(RULES[-1], True) == "yes"
+
+
+# --- peak memory and step time: predicted, then measured (issue 15) ----------------------------------------
+
+from lit_parallel.parallel.live_memory import LiveMemory  # noqa: E402
+from lit_parallel.parallel.peak import predict_peaks  # noqa: E402
+
+
+def test_live_memory_counts_each_storage_once_and_subtracts_it_when_freed():
+    with LiveMemory() as live:
+        a = torch.ones(1000)  # 4000 bytes
+        view = a[:10]  # a view: no new storage
+        b = a * 2  # 4000 bytes more: the peak, 8000
+        del b
+        after_free = live.current
+        del view
+    assert live.peak.total == 8000
+    assert after_free == 4000
+    assert live.peak.by_category["temporaries"] == 8000
+
+
+def test_live_memory_sorts_the_peak_into_params_grads_optimizer_activations():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)  # 64 x 32 + 32 = 2080 params = 8320 bytes
+    opt = torch.optim.AdamW(layer.parameters())
+    x = torch.randn(16, 64)  # created outside: not counted
+    layer(x).relu().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with LiveMemory(layer, opt) as live:
+        out = layer(
+            x
+        ).relu()  # the layer saves its input x (16 x 64 x 4 bytes), relu its output (16 x 32 x 4)
+        fwd = live.snapshot().by_category
+        out.sum().backward()
+    assert fwd["params"] == 8320 and fwd["optimizer"] == 2 * 8320 + 2 * 4  # exp_avg, exp_avg_sq, 2 steps
+    assert fwd["activations"] == 16 * 64 * 4 + 16 * 32 * 4
+    assert live.peak.by_category["grads"] == 8320  # both gradients exist at the end of backward
+
+
+def _shape_of(module):
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_peak_predictions_follow_what_each_strategy_shards():
+    import tests.models as tm
+
+    model = tm.GPT()
+    names = [f"h.{i}" for i in range(len(model.h))]
+    r = predict_peaks(
+        model, precision="32-true", devices=4, batch_size=4, block_names=names, device_type="cpu"
+    )
+    p = r.peaks
+    state = 16 * _shape_of(model)  # 4 + 4 + 8 bytes per parameter
+    assert p["ddp_tuned"].params + p["ddp_tuned"].grads + p["ddp_tuned"].optimizer == pytest.approx(
+        state + 4 * len(list(model.parameters())), rel=1e-6
+    )  # + AdamW's fp32 step counter per tensor
+    assert p["fsdp_blocks"].optimizer < p["ddp_tuned"].optimizer / 3  # sharded over 4 ranks
+    for s, peak in p.items():
+        parts = peak.params + peak.grads + peak.optimizer + peak.activations + peak.temporaries
+        assert peak.total == pytest.approx(parts)
+        assert r.peaks_checkpointed[s].total < peak.total, s  # recomputing blocks saves memory
+    assert p["tp_dp"].activations < p["ddp_tuned"].activations  # TP splits what happens in blocks
+    assert r.activations["bf16-mixed"]["off"] < r.activations["32-true"]["off"]
+    assert r.activations["32-true"]["on"] < r.activations["32-true"]["off"]
+
+
+SMALL_MODELS = [
+    ("gpt", lambda: __import__("tests.models", fromlist=["GPT"]).GPT(), None),
+    ("llama", lambda: __import__("tests.models", fromlist=["Llama"]).Llama(), None),
+    ("residual_mlp", lambda: __import__("tests.models", fromlist=["ResidualMLP"]).ResidualMLP(), (16,)),
+    ("cnn", lambda: __import__("tests.models", fromlist=["ConvNet"]).ConvNet(), (3, 8, 8)),
+]
+
+
+@pytest.mark.timeout(300)
+def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process():
+    """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting vs the prediction."""
+    from lit_parallel.advise_verify import measure_step, real_inputs, vocabulary
+    from lit_parallel.parallel.blocks import find_transformer_blocks
+    from lit_parallel.parallel.example_inputs import meta_example_input
+
+    errors = {}
+    for name, build, shape in SMALL_MODELS:
+        torch.manual_seed(0)
+        model = build()
+        given = torch.zeros(4, *shape) if shape else None
+        names = [n for n, _ in find_transformer_blocks(model, "auto").blocks]
+        predicted = predict_peaks(
+            model,
+            precision="32-true",
+            batch_size=4,
+            example_inputs=given,
+            block_names=names,
+            device_type="cpu",
+        ).peaks["one_process"]
+        ex = meta_example_input(model, batch_size=4, given=given)
+        measured, _ = measure_step(model, real_inputs(ex.args, vocabulary(model)), repeats=1)
+        errors[name] = abs(predicted.total - measured.total) / measured.total
+        # the model state is exact: AdamW's two states and its step counters, the parameters, the gradients
+        for part in ("params", "grads", "optimizer"):
+            assert getattr(predicted, part) == measured.by_category[part], (name, part)
+    assert all(e <= 0.10 for e in errors.values()), errors
+
+
+@pytest.mark.timeout(600)
+def test_a_real_launch_of_two_ranks_measures_ddp_zero2_and_fsdp_within_10_percent():
+    """One torchrun launch: ddp_tuned, ZeRO-2 and fsdp_blocks in turn, every rank measured."""
+    from lit_parallel.advise_report import predict
+    from lit_parallel.advise_verify import LAUNCH_STRATEGIES, launch, peak_from
+
+    res = launch("tests.models:GPT", None, ranks=2, batch_size=4, seq_len=None, grad_bytes=4096, repeats=1)
+    pred = predict("tests.models:GPT", {}, precision="32-true", devices=2, nodes=1, batch_size=4,
+                   seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
+    assert res["busbw_gbps"] > 0 and res["latency_s"] > 0
+    for strategy in LAUNCH_STRATEGIES:
+        assert "error" not in res[strategy], res[strategy]
+        measured = max((peak_from(d) for d in res[strategy]["peaks"]), key=lambda m: m.total)
+        predicted = pred.report.peaks[strategy].total
+        assert abs(predicted - measured.total) / measured.total <= 0.10, (strategy, predicted, measured)
+    # sharding shows in what each rank holds: optimizer state halves under ZeRO-2 / FSDP
+    ddp = max(peak_from(d).by_category["optimizer"] for d in res["ddp_tuned"]["peaks"])
+    fsdp = max(peak_from(d).by_category["optimizer"] for d in res["fsdp_blocks"]["peaks"])
+    assert fsdp < 0.6 * ddp
+
+
+def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, monkeypatch):
+    from lit_parallel.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "advice.json"
+    args = [
+        "advise",
+        "--model",
+        "tests.models:Llama",
+        "--devices",
+        "2",
+        "--memory-gb",
+        "1",
+        "--batch-size",
+        "2",
+    ]
+    assert main([*args, "--no-step-time", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["prediction"]
+    assert set(data["peak"]) == {"one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp"}
+    for entry in data["peak"].values():
+        for ac in ("activation_checkpointing_off", "activation_checkpointing_on"):
+            fig = entry[ac]
+            parts = ("params", "grads", "optimizer", "activations", "temporaries")
+            assert fig["total_bytes"] == pytest.approx(sum(fig[f"{k}_bytes"] for k in parts))
+            assert fig["phase"] in ("forward", "backward", "optimizer step")
+        assert set(entry["time"]) == {"compute_s", "optimizer_s", "comm_s", "step_s"}
+    assert set(data["activations_bytes"]) == {"bf16-mixed", "32-true"}
+    assert data["batch_size"] == 2 and data["input"] == "tokens (2, 16)"

@@ -16,6 +16,7 @@ from torch import nn
 
 from lit_parallel._compat import storage_key
 from lit_parallel.parallel.example_inputs import meta_example_input, to_meta
+from lit_parallel.parallel.fused_attention import fused_attention_on_meta
 from lit_parallel.parallel.precision import precision_bytes
 
 
@@ -43,7 +44,7 @@ def _overrides_forward(module: nn.Module) -> bool:
     return forward is not nn.Module.forward and not forward.__qualname__.startswith("LightningModule.")
 
 
-def _forward_target(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
+def forward_target(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
     """The module whose forward to trace: ``module``, or (a LightningModule without ``forward``) the
     child that holds the blocks, e.g. ``self.model``."""
     if _overrides_forward(module) or not blocks:
@@ -98,7 +99,7 @@ def _saved_bytes(
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fused_attention_on_meta(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = functional_call(target, state, args, strict=False)
     finally:
         for h in handles:
@@ -130,7 +131,7 @@ def estimate_activations(
     dtype = torch.bfloat16 if precision_bytes(precision).compute == 2 else torch.float32
     example = meta_example_input(module, batch_size=batch_size, seq_len=seq_len, given=example_inputs)
     args = tuple(to_meta(a, dtype) for a in example.args)
-    target = _forward_target(module, blocks)
+    target = forward_target(module, blocks)
     total, per_block = _saved_bytes(target, _meta_state(target, dtype), args, blocks)
     return ActivationEstimate(
         total_bytes=total,

@@ -13,6 +13,7 @@ GB means 10^9 bytes. :data:`RULES` is the decision table; :func:`advise` evaluat
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from lit_parallel.parallel.activations import ActivationEstimate, estimate_activ
 from lit_parallel.parallel.formatting import GB, format_bytes
 from lit_parallel.parallel.memory_table import MemoryRow, memory_rows, memory_table
 from lit_parallel.parallel.model_summary import ModelSummary, build_on_meta, load_model_class, summarize_model
-from lit_parallel.parallel.precision import PRECISIONS, PrecisionBytes, precision_bytes
+from lit_parallel.parallel.precision import PRECISIONS, PrecisionBytes, canonical_precision, precision_bytes
 
 # the names this module has always offered, now defined where they belong
 __all__ = [
@@ -49,6 +50,10 @@ __all__ = [
     "summarize_model",
 ]
 
+
+# sanity bounds on what a user types: beyond them the figure is a typo, not a cluster
+MAX_PARAMS = 10**15
+MAX_MEMORY_GB = 1e5
 
 # --- the rules ------------------------------------------------------------------------------------------
 
@@ -102,10 +107,11 @@ def _rule_hsdp(a: Advice) -> tuple[bool | None, str]:
 
 def _rule_otherwise(a: Advice) -> tuple[bool | None, str]:
     row = a.row("FSDP/ZeRO-3")
-    return (
-        True,
-        f"sharded over all {a.world_size} ranks: {format_bytes(row.total_bytes, decimal=True)}{a.memory_phrase(row)}",
-    )
+    need = f"sharded over all {a.world_size} ranks: {format_bytes(row.total_bytes, decimal=True)}"
+    if row.fits:
+        return True, f"{need}{a.memory_phrase(row)}"
+    # chosen because nothing else holds, although it does not fit either: say so, not "yes"
+    return True, f"no rule above holds, but this does not fit either: {need}{a.memory_phrase(row)}"
 
 
 RULES: tuple[Rule, ...] = (
@@ -218,6 +224,13 @@ class Advice:
                 return r
         raise KeyError(f"no row {name!r}; rows are {[r.name for r in self.rows]}")
 
+    def verdict(self, rule: Rule, holds: bool | None) -> str:
+        """How a rule's outcome reads: ``yes`` / ``no`` / ``n/a``, and for the fallback rule that holds
+        although its strategy does not fit, ``last resort`` (never "yes" next to "more than")."""
+        if holds and rule is RULES[-1] and not self.row("FSDP/ZeRO-3").fits:
+            return "last resort"
+        return {True: "yes", False: "no", None: "n/a"}[holds]
+
     def memory_phrase(self, row: MemoryRow) -> str:
         rel = "<=" if row.fits else ">"
         return f" {rel} {format_bytes(self.memory_bytes, decimal=True)} of device memory"
@@ -230,7 +243,7 @@ class Advice:
             f" ({self.bytes.params} + {self.bytes.grads} + {self.bytes.optimizer} bytes per parameter)"
         ]
         for rule, holds, evidence in self.evaluations:
-            mark = {True: "yes", False: "no", None: "n/a"}[holds]
+            mark = self.verdict(rule, holds)
             lines.append(f"  rule {rule.number} ({rule.strategy}): {mark}: {evidence}")
         lines.append(f"  -> {self.recommendation} (rule {self.rule.number if self.rule else '?'})")
         lines.append(self.table_text())
@@ -335,6 +348,7 @@ def advise(
         block_types: how to find the transformer blocks (as in ``fsdp_blocks``; default ``"auto"``).
     """
     _check_arguments(params, model, devices, nodes)
+    precision = canonical_precision(precision)
     bytes_ = precision_bytes(precision)
     summary = None
     if model is not None:
@@ -404,6 +418,11 @@ def _checked_counts(params: Any, block_params: Any) -> tuple[int, int | None]:
     params = _as_count(params, "params")
     if params < 1:
         raise ValueError(f"params={params} must be at least 1")
+    if params > MAX_PARAMS:
+        raise ValueError(
+            f"params={params:.3g} is more than {MAX_PARAMS:.0e} parameters, far beyond any model trained;"
+            " check the exponent (7e9 is seven billion)"
+        )
     if block_params is not None:
         block_params = _as_count(block_params, "block_params")
         if not 0 < block_params <= params:
@@ -434,7 +453,7 @@ def _apply_rules(advice: Advice) -> None:
 
 
 def _as_count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name}={value!r} must be a number of parameters, e.g. 7e9")
     if isinstance(value, float) and not value.is_integer():
         raise ValueError(f"{name}={value!r} must be a whole number of parameters")
@@ -452,6 +471,11 @@ def _device_memory(memory_gb: float | None, devices: int) -> tuple[float, str]:
     if memory_gb is not None:
         if isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0:
             raise ValueError(f"memory_gb={memory_gb!r} must be a positive number of GB (1e9 bytes)")
+        if not memory_gb <= MAX_MEMORY_GB:
+            raise ValueError(
+                f"memory_gb={memory_gb!r} is not the memory of one device (at most {MAX_MEMORY_GB:g} GB here);"
+                " give a finite figure, e.g. 80 for an 80 GB GPU"
+            )
         return float(memory_gb) * GB, "given"
     if torch.cuda.is_available():
         return device_memory_bytes(torch.device("cuda", 0), devices)

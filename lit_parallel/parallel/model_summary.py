@@ -55,14 +55,42 @@ def load_model_class(path: str) -> type:
 
 def build_on_meta(factory: Callable[..., nn.Module], kwargs: dict[str, Any] | None = None) -> nn.Module:
     """Build a model on the meta device (shapes only, no memory); runs ``configure_model`` if it has one."""
+    _check_kwargs(factory, kwargs or {})
     with torch.device("meta"):
-        module = factory(**(kwargs or {}))
+        try:
+            module = factory(**(kwargs or {}))
+        except TypeError as err:  # e.g. a value of the wrong type: one line, not a traceback
+            name = getattr(factory, "__name__", str(factory))
+            raise ValueError(f"building {name} with model_kwargs={kwargs or {}} failed: {err}") from err
         if not isinstance(module, nn.Module):
             raise ValueError(f"{factory!r} returned {type(module).__name__}, not an nn.Module")
         configure = getattr(module, "configure_model", None)
         if callable(configure):
             configure()
     return module
+
+
+def _check_kwargs(factory: Callable[..., nn.Module], kwargs: dict[str, Any]) -> None:
+    """A keyword ``factory`` does not take -> one line naming it, the closest accepted name and the rest."""
+    import difflib
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            name = getattr(factory, "__name__", str(factory))
+            raise ValueError(
+                f"model_kwargs key {key!r} is not an argument of {name}; {hint}it takes"
+                f" {', '.join(accepted) or 'no arguments'}"
+            )
 
 
 def _resolve(model: nn.Module | type | str, model_kwargs: dict[str, Any] | None) -> tuple[str, nn.Module]:

@@ -39,17 +39,28 @@ PRECISIONS: dict[str, PrecisionBytes] = {
     "32-true": PrecisionBytes(4, 4, 8, 4),
     "bf16-true": PrecisionBytes(2, 2, 4, 2),
     "16-true": PrecisionBytes(2, 2, 4, 2),
+    "64-true": PrecisionBytes(8, 8, 16, 8),
 }
-# Lightning's short spellings of the same flags
-PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}
+# the short spellings Lightning's Trainer(precision=...) accepts (strings and ints), same meaning as there
+PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
-def precision_bytes(precision: str) -> PrecisionBytes:
-    """The accounting for a Lightning precision flag (``"bf16-mixed"``, ``"32-true"``, ...)."""
+def canonical_precision(precision: str | int) -> str:
+    """Lightning's full name of a precision flag: ``"bf16"`` -> ``"bf16-mixed"``, ``32`` -> ``"32-true"``."""
     flag = PRECISION_ALIASES.get(str(precision), str(precision))
     if flag not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not one of {', '.join(PRECISIONS)}; mixed precision"
-            " (bf16-mixed, 16-mixed) counts 2 + 2 + 12 bytes per parameter, 32-true counts 4 + 4 + 8"
+        hint = (
+            "; Transformer Engine's FP8 is not modelled: use bf16-mixed for its estimate"
+            if "transformer-engine" in flag
+            else ""
         )
-    return PRECISIONS[flag]
+        raise ValueError(
+            f"precision={precision!r} is not a Lightning precision flag this accounting knows; use one of"
+            f" {', '.join(PRECISIONS)} or Lightning's short forms {', '.join(PRECISION_ALIASES)}{hint}"
+        )
+    return flag
+
+
+def precision_bytes(precision: str | int) -> PrecisionBytes:
+    """The accounting for a Lightning precision flag (``"bf16-mixed"``, ``"32-true"``, ``"bf16"``, ...)."""
+    return PRECISIONS[canonical_precision(precision)]

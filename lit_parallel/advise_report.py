@@ -1,0 +1,243 @@
+"""The peak-memory and step-time part of `lit-parallel advise`: predict, print, write, verify.
+
+:func:`predict` builds the model on the meta device and predicts every strategy's per-rank peak
+(:mod:`lit_parallel.parallel.peak`) and step time (:mod:`lit_parallel.parallel.step_time`);
+:func:`verify` runs the same step on this machine (:mod:`lit_parallel.advise_verify`) and returns one row
+per figure, predicted next to measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel.parallel.formatting import format_bytes
+from lit_parallel.parallel.live_memory import CATEGORIES
+from lit_parallel.parallel.peak import LABELS, PeakReport, predict_peaks
+from lit_parallel.parallel.step_time import StepTime, comm_seconds, predict_step_time
+
+MEMORY_TARGET, TIME_TARGET = 0.10, 0.25  # the planner's published error targets
+STEP_TIME_BLOCK_LIMIT = 0.05  # time a block only when it takes less than this share of RAM
+
+
+@dataclass
+class Prediction:
+    """Everything `advise` predicts for one model, input and cluster shape."""
+
+    model: str
+    report: PeakReport
+    timing: StepTime | None = None
+    overhead_s: float = 0.0
+    busbw_gbps: float | None = None
+    latency_s: float = 0.0
+    groups: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    def step_s(self, strategy: str) -> dict[str, float | None]:
+        """Seconds of one step: compute + optimizer (divided where sharded) + communication + Lightning's
+        per-step overhead; communication is ``None`` without a bus bandwidth."""
+        if self.timing is None:
+            return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
+        r = self.report
+        tp = r.devices if strategy == "tp_dp" else 1
+        shard = (
+            1
+            if strategy in ("one_process", "ddp_tuned")
+            else (r.devices if strategy == "hsdp" else r.devices * r.nodes)
+        )
+        compute, opt = self.timing.compute_s / tp, self.timing.optimizer_s(shard)
+        comm = None
+        if self.busbw_gbps:
+            grad = 4 if r.precision in ("32-true",) else 2
+            comm = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
+                                busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups)  # fmt: skip
+        step = compute + opt + (comm or 0.0) + self.overhead_s
+        return {"compute_s": compute, "optimizer_s": opt, "comm_s": comm, "step_s": step}
+
+    def as_dict(self) -> dict[str, Any]:
+        out = self.report.as_dict()
+        for strategy, entry in out["peak"].items():
+            entry["time"] = self.step_s(strategy)
+        out.update(model=self.model, overhead_s=self.overhead_s, busbw_gbps=self.busbw_gbps,
+                   latency_s=self.latency_s, notes=self.notes)  # fmt: skip
+        if self.timing is not None:
+            t = self.timing
+            out["block_timing"] = {"unit": t.block_description, "block_s": t.block_s, "op_s": t.op_s,
+                                   "flop_s": t.flop_s, "ops": t.ops, "flops": t.flops,
+                                   "optimizer_tensor_s": t.optimizer_tensor_s,
+                                   "optimizer_element_s": t.optimizer_element_s}  # fmt: skip
+        return out
+
+
+def shaped_input(shape: tuple[int, ...] | None) -> Any:
+    """``batch -> a meta input of shape (batch, *shape)`` for ``--input-shape``; ``None`` without one."""
+    if shape is None:
+        return None
+    return lambda batch: torch.empty((batch, *shape), device="meta")
+
+
+def meta_model(path: str, kwargs: dict[str, Any]) -> tuple[str, nn.Module, list[str], str | None]:
+    """The model built on meta, its blocks' names and the largest block's name."""
+    from lit_parallel.parallel.blocks import NoBlocksFoundError, find_transformer_blocks
+    from lit_parallel.parallel.model_summary import build_on_meta, load_model_class
+
+    factory = load_model_class(path)
+    module = build_on_meta(factory, kwargs)
+    try:
+        plan = find_transformer_blocks(module, "auto")
+    except NoBlocksFoundError:
+        return getattr(factory, "__name__", path), module, [], None
+    names = [n for n, _ in plan.blocks]
+    largest = max(names, key=lambda n: sum(p.numel() for p in module.get_submodule(n).parameters()))
+    return getattr(factory, "__name__", path), module, names, largest
+
+
+def predict(
+    path: str, kwargs: dict[str, Any], *, precision: str, devices: int, nodes: int, batch_size: int | None,
+    seq_len: int | None, device_type: str, step_time: bool, busbw_gbps: float | None, latency_s: float = 0.0,
+    input_shape: tuple[int, ...] | None = None,
+) -> Prediction:  # fmt: skip
+    """Peak memory of every strategy, and the step time when one block can be timed here."""
+    from lit_parallel.parallel.precision import precision_bytes
+
+    name, module, names, largest = meta_model(path, kwargs)
+    given = shaped_input(input_shape)
+    report = predict_peaks(module, precision=precision, devices=devices, nodes=nodes, batch_size=batch_size,
+                           seq_len=seq_len, block_names=names, device_type=device_type,
+                           example_inputs=given(batch_size or 1) if given else None)  # fmt: skip
+    pred = Prediction(name, report, busbw_gbps=busbw_gbps, latency_s=latency_s, groups=len(names) + 1)
+    if not step_time:
+        return pred
+    unit = module.get_submodule(largest) if largest else module
+    unit_bytes = sum(p.numel() for p in unit.parameters()) * 16
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
+        pred.notes.append(f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
+                          f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
+        return pred
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
+    pred.timing = predict_step_time(
+        module, block_name=largest, dtype=dtype, batch_size=batch_size, seq_len=seq_len, example_inputs=given
+    )
+    from lit_parallel.advise_verify import lightning_overhead
+
+    pred.overhead_s = lightning_overhead()
+    if busbw_gbps is None and devices * nodes > 1:
+        pred.notes.append(
+            "step time without communication: pass --busbw-gbps (`lit-parallel doctor` measures it)"
+        )
+    return pred
+
+
+def print_prediction(pred: Prediction, console: Any) -> None:
+    from rich.table import Table
+
+    r = pred.report
+    b = lambda n: format_bytes(n, decimal=True)  # noqa: E731
+    console.print(f"[bold]peak memory per rank[/bold] of one training step (AdamW), micro-batch {r.batch_size} "
+                  f"({r.input_description}), {r.precision}; activations by precision (no AC / AC): "
+                  + ", ".join(f"{p} {b(v['off'])} / {b(v.get('on', v['off']))}" for p, v in r.activations.items()))  # fmt: skip
+    table = Table()
+    for col in ("strategy", *CATEGORIES, "peak", "peak with AC", "at", "step time"):
+        table.add_column(col, justify="left" if col in ("strategy", "at") else "right")
+    for s, p in r.peaks.items():
+        t = pred.step_s(s)["step_s"]
+        table.add_row(LABELS[s], *(b(getattr(p, c)) for c in CATEGORIES), b(p.total),
+                      b(r.peaks_checkpointed[s].total), p.phase, "-" if t is None else f"{t * 1e3:.1f} ms")  # fmt: skip
+    console.print(table)
+    if pred.timing is not None:
+        t = pred.timing
+        console.print(f"step time: {t.block_description} timed here: {t.block_s * 1e3:.2f} ms forward + backward"
+                      f" -> {t.op_s * 1e6:.1f} us per op, {t.flop_s * 1e12:.1f} ps per FLOP; the step has {t.ops:,}"
+                      f" ops and {t.flops:.3g} FLOPs = {t.compute_s * 1e3:.2f} ms; AdamW {t.optimizer_s() * 1e3:.2f} ms;"
+                      f" Lightning's per-step overhead {pred.overhead_s * 1e3:.2f} ms"
+                      + (f"; collectives at {pred.busbw_gbps:g} GB/s, {pred.latency_s * 1e6:.0f} us each"
+                         if pred.busbw_gbps else ""))  # fmt: skip
+    console.print("pp_dp (pipeline parallelism) is not predicted yet.")
+    for note in pred.notes:
+        console.print(f"[yellow]note[/yellow]: {note}")
+
+
+# --- verification ----------------------------------------------------------------------------------------
+
+
+def error_rows(
+    strategy: str, predicted: Any, measured: Any, step_pred: float | None, step_meas: float
+) -> list[dict]:
+    """One row per figure: predicted, measured, relative error, within target."""
+    rows = []
+    for cat in (*CATEGORIES, "total"):
+        pv = predicted.total if cat == "total" else getattr(predicted, cat)
+        mv = measured.total if cat == "total" else measured.by_category.get(cat, 0)
+        err = abs(pv - mv) / mv if mv else (0.0 if pv == 0 else None)
+        rows.append({"strategy": strategy, "figure": f"peak {cat}", "predicted": pv, "measured": mv, "error": err,
+                     "ok": None if cat != "total" else err is not None and err <= MEMORY_TARGET})  # fmt: skip
+    if step_pred is not None:
+        err = abs(step_pred - step_meas) / step_meas
+        rows.append({"strategy": strategy, "figure": "step time s", "predicted": step_pred, "measured": step_meas,
+                     "error": err, "ok": err <= TIME_TARGET})  # fmt: skip
+    return rows
+
+
+def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> list[dict]:
+    """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction."""
+    from lit_parallel.advise_verify import launch, measure_step, peak_from, real_inputs, vocabulary
+    from lit_parallel.parallel.example_inputs import meta_example_input
+    from lit_parallel.parallel.model_summary import load_model_class
+
+    factory = load_model_class(path)
+    torch.manual_seed(0)
+    model = factory(**kwargs)
+    given = shaped_input(args.input_shape)
+    ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len,
+                            given=given(args.batch_size or 1) if given else None)  # fmt: skip
+    one = predict(path, kwargs, precision="32-true", devices=1, nodes=1, batch_size=args.batch_size,
+                  seq_len=args.seq_len, device_type="cpu", step_time=True, busbw_gbps=None,
+                  input_shape=args.input_shape)  # fmt: skip
+    peak, step_s = measure_step(model, real_inputs(ex.args, vocabulary(model)))
+    rows = error_rows(
+        "one_process", one.report.peaks["one_process"], peak, one.step_s("one_process")["step_s"], step_s
+    )
+    if args.verify_ranks > 1:
+        n = args.verify_ranks
+        res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=n, batch_size=args.batch_size,
+                     seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
+                     input_shape=args.input_shape)  # fmt: skip
+        multi = predict(path, kwargs, precision="32-true", devices=n, nodes=1, batch_size=args.batch_size,
+                        seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
+                        latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
+        multi.timing, multi.overhead_s = one.timing, one.overhead_s
+        for strategy, got in res.items():
+            if strategy in ("busbw_gbps", "latency_s"):
+                continue
+            if "error" in got:
+                console.print(f"[yellow]note[/yellow]: {strategy} not measured: {got['error']}")
+                continue
+            measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
+            rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
+                               multi.step_s(strategy)["step_s"], got["step_s"])  # fmt: skip
+    return rows
+
+
+def print_verification(rows: list[dict], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"predicted vs measured on this machine (targets: peak within {MEMORY_TARGET:.0%}, "
+                        f"step time within {TIME_TARGET:.0%})")  # fmt: skip
+    for col in ("strategy", "figure", "predicted", "measured", "error", "within target"):
+        table.add_column(col, justify="left" if col in ("strategy", "figure") else "right")
+    for row in rows:
+        fmt = (
+            (lambda v: f"{v * 1e3:.1f} ms")
+            if row["figure"].startswith("step")
+            else (lambda v: format_bytes(v, decimal=True))
+        )
+        err = "-" if row["error"] is None else f"{row['error']:.1%}"
+        ok = {True: "[green]yes[/green]", False: "[red]no[/red]", None: ""}[row["ok"]]
+        table.add_row(row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"]), err, ok)
+    console.print(table)

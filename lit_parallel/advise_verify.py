@@ -1,0 +1,256 @@
+"""`lit-parallel advise --verify`: run the step the planner predicts on this machine and compare.
+
+One process: a real ``lightning.Trainer`` (CPU, 32-true) trains the model for a few steps on the
+predicted input; :class:`~lit_parallel.parallel.live_memory.LiveMemory` measures the second step's peak
+by category (torch keeps no allocator statistics for CPU memory, so live tensor storages are counted),
+and the median of the following steps is the step time. A real launch (``--verify-ranks N``, default
+2) does the same in every rank under ``ddp_tuned``, ZeRO-2 and ``fsdp_blocks`` (one launch), and
+measures the all-reduce bus bandwidth there for the communication term.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
+
+LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks")
+
+
+@dataclass
+class Measured:
+    """What one run measured: the peak by category (max over ranks) and the median step seconds."""
+
+    strategy: str
+    peak: MemoryPeak
+    step_s: float
+    busbw_gbps: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def real_inputs(example_args: tuple, vocab: int | None) -> tuple:
+    """Real CPU tensors shaped like the (meta) example input: token ids below ``vocab``, floats random."""
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for a in example_args:
+        if not isinstance(a, torch.Tensor):
+            out.append(a)
+        elif a.is_floating_point():
+            out.append(torch.randn(a.shape, generator=g))
+        else:
+            out.append(torch.randint(0, max(2, vocab or 2), a.shape, generator=g, dtype=a.dtype))
+    return tuple(out)
+
+
+def vocabulary(module: nn.Module) -> int | None:
+    """The first embedding's number of rows (token ids must stay below it)."""
+    emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else None
+
+
+def _lightning_module(model: nn.Module):
+    import lightning as L
+
+    from lit_parallel.parallel.step_simulation import default_loss
+
+    class VerifyStep(L.LightningModule):
+        """forward, the planner's default loss, backward, AdamW: the step that is predicted."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            args = tuple(batch)
+            return default_loss(self.model(*args), args)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+
+    return VerifyStep()
+
+
+def _probe(track_batch: int):
+    from lightning.pytorch import Callback
+
+    from lit_parallel.parallel.live_memory import LiveMemory
+
+    class Probe(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.peak: MemoryPeak | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == track_batch:
+                self.tracker = LiveMemory(pl_module, trainer.optimizers[0])
+                self.tracker.__enter__()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            elapsed = time.perf_counter() - self.start
+            if batch_idx == track_batch:
+                self.tracker.__exit__(None, None, None)
+                self.peak = self.tracker.peak
+            elif batch_idx > track_batch:
+                self.times.append(elapsed)
+
+    return Probe()
+
+
+def measure_step(
+    model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = 5
+):
+    """Train ``model`` for ``2 + repeats`` steps on ``inputs``; the second step's peak and the median of
+    the rest. Returns ``(peak, median seconds)``."""
+    import logging
+    import warnings
+
+    import lightning as L
+
+    probe = _probe(track_batch=3)
+    for name in ("lightning.pytorch", "lightning.fabric"):  # the tips and device banners of every Trainer
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=4 + repeats,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        use_distributed_sampler=False,  # every rank steps every batch: the measured steps are all there
+    )
+    loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
+    trainer.fit(_lightning_module(model), loader)
+    return probe.peak, min(probe.times)  # the fastest step: the least disturbed by other processes
+
+
+def lightning_overhead(repeats: int = 10) -> float:
+    """Seconds Lightning's loop adds to every step on this machine: the step time of a one-weight model."""
+    _, step_s = measure_step(nn.Linear(1, 1), (torch.zeros(1, 1),), repeats=repeats)
+    return step_s
+
+
+def strategy_object(name: str):
+    """The lit_parallel strategy a launch verifies (ZeRO-2 is fsdp_blocks without resharding)."""
+    import lit_parallel as lp
+
+    if name == "zero2":
+        return lp.TransformerFSDPStrategy(reshard_after_forward=False)
+    if name == "fsdp_blocks":
+        return lp.TransformerFSDPStrategy()
+    return lp.TunedDDPStrategy()
+
+
+def peak_dict(peak: MemoryPeak) -> dict[str, int]:
+    return {"total": peak.total, **{k: peak.by_category.get(k, 0) for k in CATEGORIES}}
+
+
+def peak_from(d: dict[str, int]) -> MemoryPeak:
+    return MemoryPeak(d["total"], {k: d[k] for k in CATEGORIES})
+
+
+# --- the launch: python -m torch.distributed.run ... -m lit_parallel.advise_verify --worker ---------------
+
+
+def worker(args: argparse.Namespace) -> int:
+    """In every rank: each strategy in turn on the same model and input; rank 0 writes the results."""
+    import torch.distributed as dist
+
+    from lit_parallel.doctor import bus_bandwidth
+    from lit_parallel.launch import write_result
+    from lit_parallel.parallel.example_inputs import meta_example_input
+    from lit_parallel.parallel.model_summary import load_model_class
+
+    factory = load_model_class(args.model)
+    kwargs = __import__("json").loads(args.model_kwargs or "{}")
+    results: dict[str, Any] = {}
+    for name in args.strategies.split(","):
+        torch.manual_seed(0)
+        model = factory(**kwargs)
+        shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
+        given = torch.empty((args.batch_size or 1, *shape), device="meta") if shape else None
+        ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len, given=given)
+        try:
+            peak, step_s = measure_step(
+                model, real_inputs(ex.args, vocabulary(model)), strategy=strategy_object(name),
+                devices=args.devices, repeats=args.repeats,
+            )  # fmt: skip
+        except Exception as err:  # a strategy this model cannot run: reported, the others still measured
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak_dict(peak))
+        results[name] = {"peaks": peaks, "step_s": step_s}
+    # the doctor measurement, here: latency of a tiny all-reduce, bus bandwidth at the gradients' size
+    tiny, _ = _all_reduce_seconds(torch.ones(1))
+    seconds, n = _all_reduce_seconds(torch.ones(max(1, args.grad_bytes // 4)))
+    results["latency_s"] = tiny
+    results["busbw_gbps"] = bus_bandwidth(n * 4, max(1e-9, seconds - tiny), dist.get_world_size())[1]
+    if dist.get_rank() == 0:
+        write_result(args.result, results)
+    return 0
+
+
+def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 7) -> tuple[float, int]:
+    import torch.distributed as dist
+
+    dist.all_reduce(buf)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), buf.numel()
+
+
+def launch(
+    model: str, model_kwargs: str | None, *, ranks: int, batch_size: int | None, seq_len: int | None,
+    grad_bytes: int, repeats: int = 5, timeout: float = 600, input_shape: tuple[int, ...] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Start ``ranks`` processes (torchrun) that measure :data:`LAUNCH_STRATEGIES`; rank 0's results."""
+    from lit_parallel.launch import run_ranks
+
+    argv = [f"--model={model}", f"--devices={ranks}", f"--repeats={repeats}", f"--grad-bytes={grad_bytes}"]
+    argv.append(f"--strategies={','.join(LAUNCH_STRATEGIES)}")
+    if model_kwargs:
+        argv.append(f"--model-kwargs={model_kwargs}")
+    if batch_size:
+        argv.append(f"--batch-size={batch_size}")
+    if seq_len:
+        argv.append(f"--seq-len={seq_len}")
+    if input_shape:
+        argv.append(f"--input-shape={','.join(map(str, input_shape))}")
+    return run_ranks("lit_parallel.advise_verify", ranks, argv, timeout=timeout)
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lit_parallel.advise_verify")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--result")
+    p.add_argument("--model")
+    p.add_argument("--model-kwargs")
+    p.add_argument("--devices", type=int)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--grad-bytes", type=int, default=4 << 20)
+    p.add_argument("--strategies", default=",".join(LAUNCH_STRATEGIES))
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--input-shape")
+    return p
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker(_worker_parser().parse_args()))

@@ -1,0 +1,44 @@
+"""Fused attention on the meta device, so that simulated steps save what real ones save.
+
+On CPU and CUDA, ``F.scaled_dot_product_attention`` runs a fused (flash) kernel that saves the output
+and one log-sum-exp per row for backward. On the meta device it falls back to the unfused math, which
+saves the full attention matrix (batch x heads x seq x seq): a simulated step would then predict far
+more activation memory than a real one uses. :func:`fused_attention_on_meta` routes meta calls that a
+fused kernel would take (no dropout, 4-D inputs, no grouped-query expansion) to the fused op's meta
+implementation instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class _FusedAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = _fused(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    meta = all(isinstance(t, torch.Tensor) and t.is_meta and t.dim() == 4 for t in (q, k, v))
+    if not meta or dropout_p or enable_gqa or k.shape[1] != q.shape[1]:
+        return None
+    from lit_parallel._compat import flash_attention_for_cpu
+
+    return flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+@contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """While active, meta-device ``scaled_dot_product_attention`` calls save what the fused kernel saves."""
+    with _FusedAttention():
+        yield

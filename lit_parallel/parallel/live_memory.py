@@ -1,0 +1,215 @@
+"""Measured peak memory of a training step on any device, CPU included, by live-storage accounting.
+
+torch keeps allocator statistics for CUDA only (``torch.cuda.max_memory_allocated``); on CPU there are
+none. :class:`LiveMemory` is a ``TorchDispatchMode`` that sees every tensor an op returns, counts each
+new storage once (by identity, so views are free) and subtracts it when the storage is freed (a
+``weakref.finalize`` on the storage). The peak is split by what the bytes are:
+
+* ``params``, ``optimizer``: storages of the module's parameters / the optimizer's state;
+* ``grads``: storages that became a parameter's ``.grad`` (a post-accumulate-grad hook records them);
+* ``activations``: storages autograd saved for backward (a saved-tensors hook records them);
+* ``temporaries``: everything else (outputs, gradients flowing through backward, optimizer scratch).
+
+Storages allocated outside Python's dispatcher view (e.g. by a C++ component before the mode was
+entered) are invisible unless they already belong to one of the groups above; parameters and optimizer
+state that exist when tracking starts are counted from the start.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel._compat import TorchDispatchMode, storage_key, tree_flatten
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class MemoryPeak:
+    """The highest number of live bytes seen, split by category (:data:`CATEGORIES`)."""
+
+    total: int = 0
+    by_category: dict[str, int] = field(default_factory=dict)
+
+
+class LiveMemory(TorchDispatchMode):
+    """Track live tensor bytes while active; :attr:`peak` is the largest total seen.
+
+    Args:
+        module: whose parameters (and their gradients) are counted as such; or the parameters themselves.
+        optimizer: whose state is counted as optimizer state.
+        exact: re-read every live storage's size whenever a new peak is about to be recorded. FSDP2 frees
+            and re-gathers parameters by resizing their storage in place, which no op or finalizer
+            reports; with ``exact`` those bytes are right. Costs time per allocation: off for meta-device
+            simulations, whose storages never resize.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | Iterable[torch.Tensor] | None = None,
+        optimizer: Any = None,
+        exact: bool = True,
+    ) -> None:
+        super().__init__()
+        self.exact = exact
+        self.refs: dict[int, Any] = {}
+        self.params = list(
+            dict.fromkeys(module.parameters() if isinstance(module, nn.Module) else module or ())
+        )
+        self.optimizer = optimizer
+        # storage identity -> allocation number: a freed storage's address may be reused by a new one,
+        # so everything else is keyed by allocation, which is never reused
+        self.live: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.kinds: dict[int, str] = {}
+        self.current = 0
+        self.peak = MemoryPeak()
+        self._peak_ids: list[int] = []
+        self._peak_sizes: dict[int, int] = {}
+        self._count = 0
+        self._handles: list[Any] = []
+        self._saved_hooks: Any = None
+
+    # --- what is live -------------------------------------------------------------------------------
+
+    def _add(self, t: torch.Tensor) -> int:
+        t = _local(t)
+        storage = t.untyped_storage()
+        key = storage_key(t)
+        if key in self.live:
+            return self.live[key]
+        self._count += 1
+        alloc = self.live[key] = self._count
+        self.sizes[alloc] = nbytes = storage.nbytes()
+        self.current += nbytes
+        try:
+            weakref.finalize(storage, self._free, key, alloc)
+            if self.exact:
+                self.refs[alloc] = weakref.ref(storage)
+        except TypeError:  # a storage that cannot be weakly referenced is counted until the end
+            pass
+        self._check_peak()
+        return alloc
+
+    def _check_peak(self) -> None:
+        if self.current <= self.peak.total:
+            return
+        if self.exact:  # storages resized in place since they were counted (FSDP2's free / re-gather)
+            for alloc in self.live.values():
+                storage = self.refs.get(alloc, lambda: None)()
+                if storage is not None and storage.nbytes() != self.sizes[alloc]:
+                    self.current += storage.nbytes() - self.sizes[alloc]
+                    self.sizes[alloc] = storage.nbytes()
+        if self.current > self.peak.total:
+            self.peak.total = self.current
+            self._peak_ids = list(self.live.values())
+            # sizes as they are at the peak (a storage resized later must not change this peak's split)
+            self._peak_sizes = {a: self.sizes[a] for a in self._peak_ids}
+
+    def _free(self, key: int, alloc: int) -> None:
+        if self.live.get(key) == alloc:
+            del self.live[key]
+            self.current -= self.sizes[alloc]
+            self.refs.pop(alloc, None)
+
+    def snapshot(self) -> MemoryPeak:
+        """What is live now, split by category."""
+        return MemoryPeak(self.current, self._split(list(self.live.values()), self.sizes))
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (to find the peak of one phase)."""
+        self.peak = MemoryPeak(self.current)
+        self._peak_ids = list(self.live.values())
+        self._peak_sizes = {a: self.sizes[a] for a in self._peak_ids}
+
+    def peak_so_far(self) -> MemoryPeak:
+        """The peak since the start (or :meth:`reset_peak`), split by category."""
+        return MemoryPeak(self.peak.total, self._split(self._peak_ids, self._peak_sizes))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_sparse:
+                self._add(t)
+        return out
+
+    # --- categories ---------------------------------------------------------------------------------
+
+    def _params(self) -> Iterable[torch.Tensor]:
+        return self.params
+
+    def _state(self) -> Iterable[torch.Tensor]:
+        if self.optimizer is None:
+            return ()
+        return (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+    def _mark(self, t: torch.Tensor, kind: str) -> None:
+        alloc = self._add(t)  # a storage allocated outside the mode (DDP's buckets) is counted from here
+        if kind in ("params", "optimizer") or alloc not in self.kinds:
+            self.kinds[alloc] = kind
+
+    def _label(self, t: torch.Tensor, kind: str) -> None:
+        alloc = self.live.get(storage_key(_local(t)))
+        if alloc is not None and (kind != "grads" or alloc not in self.kinds):
+            self.kinds[alloc] = kind
+
+    def _record_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._mark(p.grad, "grads")
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # a parameter saved for backward is a parameter (FSDP2's gathered copies are nn.Parameters too)
+        self._mark(t, "params" if isinstance(t, nn.Parameter) else "activations")
+        return t
+
+    def _mark_state(self) -> None:
+        for p in self._params():
+            self._mark(p, "params")
+        for t in self._state():
+            self._mark(t, "optimizer")
+
+    def __enter__(self) -> LiveMemory:
+        self._mark_state()
+        for p in self._params():
+            if p.grad is not None:
+                self._record_grad(p)
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._record_grad))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._saved_hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.peak = self.peak_so_far()
+
+    def _split(self, allocs: Iterable[int], sizes: dict[int, int]) -> dict[str, int]:
+        # labels known only now: optimizer state created while tracking (the first step), gradients that
+        # were assigned rather than accumulated (FSDP2's sharded gradients)
+        for p in self._params():
+            self._label(p, "params")
+            if p.grad is not None:
+                self._label(p.grad, "grads")
+        for t in self._state():
+            self._label(t, "optimizer")
+        out = dict.fromkeys(CATEGORIES, 0)
+        for alloc in allocs:
+            out[self.kinds.get(alloc, "temporaries")] += sizes[alloc]
+        return out

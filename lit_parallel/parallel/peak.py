@@ -1,0 +1,239 @@
+"""Per-rank peak memory of one training step under each strategy, predicted before any run.
+
+Model state (parameters, gradients, optimizer state) is ZeRO's accounting per rank
+(:mod:`lit_parallel.parallel.memory_table`); activations and the temporaries of forward and backward come
+from one step simulated on the meta device (:mod:`lit_parallel.parallel.step_simulation`); what each
+strategy adds is written out below. The step follows Lightning's order: ``training_step`` (forward) runs
+while last step's gradients still exist, ``zero_grad`` comes after it, then backward, then
+``optimizer.step`` (AdamW). The peak is the largest of three moments:
+
+* forward (its highest point, usually its end): state + last step's gradients + the activations saved
+  so far + temporaries (the output, the loss's intermediate results);
+* inside backward: state + the gradients so far + the activations not yet freed + gradient temporaries;
+* optimizer step: state + all gradients + AdamW's scratch (two fp32 tensors of the largest parameter in
+  the for-loop implementation torch uses on CPU; one fp32 copy of every parameter with ``foreach``, its
+  default on CUDA).
+
+What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype):
+
+* ``ddp_tuned``: gradients live in DDP's buckets (``gradient_as_bucket_view``) for the whole step.
+* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node): the state is sharded; the root's
+  parameters outside blocks stay gathered from forward to the end of backward (counted as parameters),
+  with one gathered block; backward adds the prefetched next block. FSDP2's flat all-gather buffers and
+  padding are not counted.
+* ZeRO-2 (``fsdp_blocks`` with ``reshard_after_forward=False``): the state is sharded as in ZeRO-3, and
+  every parameter stays gathered after forward; backward adds one block's unsharded gradient.
+* ``tp_dp``: activations and temporaries inside blocks divided by the tensor-parallel size, the gathered
+  block divided too. Pipeline parallelism (``pp_dp``) is not predicted yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel.parallel.memory_table import memory_rows
+from lit_parallel.parallel.precision import canonical_precision, precision_bytes
+from lit_parallel.parallel.step_simulation import StepSimulation, simulate_step
+
+STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
+LABELS = {
+    "one_process": "one process (no DDP)",
+    "ddp_tuned": "ddp_tuned",
+    "zero2": "ZeRO-2 (fsdp_blocks, reshard_after_forward=False)",
+    "fsdp_blocks": "fsdp_blocks (ZeRO-3)",
+    "hsdp": "hsdp",
+    "tp_dp": "tp_dp",
+}
+_ROW = {"one_process": "DDP", "ddp_tuned": "DDP", "zero2": "ZeRO-2", "fsdp_blocks": "FSDP/ZeRO-3"}
+_ROW.update({"hsdp": "HSDP", "tp_dp": "TP+DP"})
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Bytes per rank at the peak of one step, by category, and the moment it happens."""
+
+    strategy: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    temporaries: float
+    phase: str
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+    def as_dict(self) -> dict[str, Any]:
+        keys = ("params", "grads", "optimizer", "activations", "temporaries", "total")
+        return {"phase": self.phase, **{f"{k}_bytes": float(getattr(self, k)) for k in keys}}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The counts the strategy terms need, in elements."""
+
+    params: int
+    trainable: int
+    param_tensors: int
+    largest_param: int
+    block_params: int
+    largest_block: int
+
+    @classmethod
+    def of(cls, module: nn.Module, blocks: list[nn.Module]) -> ModelShape:
+        params = list(dict.fromkeys(module.parameters()))
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        return cls(
+            params=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            param_tensors=sum(1 for p in params if p.requires_grad),
+            largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
+            block_params=sum(sizes),
+            largest_block=max(sizes, default=0),
+        )
+
+
+@dataclass
+class PeakReport:
+    """Every prediction for one model, micro-batch, precision and cluster shape."""
+
+    precision: str
+    devices: int
+    nodes: int
+    batch_size: int
+    input_description: str
+    shape: ModelShape
+    peaks: dict[str, Peak] = field(default_factory=dict)  # strategy -> without checkpointing
+    peaks_checkpointed: dict[str, Peak] = field(default_factory=dict)
+    activations: dict[str, dict[str, float]] = field(default_factory=dict)  # precision -> {"off", "on"}
+    block_activation_share: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "batch_size": self.batch_size,
+            "input": self.input_description,
+            "activations_bytes": self.activations,
+            "peak": {
+                s: {
+                    "label": LABELS[s],
+                    "activation_checkpointing_off": self.peaks[s].as_dict(),
+                    "activation_checkpointing_on": self.peaks_checkpointed[s].as_dict(),
+                }
+                for s in self.peaks
+            },
+        }
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
+    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
+
+
+def _strategy_peak(
+    strategy: str, sim: StepSimulation, rows: dict, shape: ModelShape, *, c: int, opt_bytes: int, extra: dict
+) -> Peak:
+    """The three moments of one step for ``strategy``; the largest wins."""
+    sharded = strategy in ("zero2", "fsdp_blocks", "hsdp", "tp_dp")
+    # ZeRO-2 here is FSDP2 without resharding: the state is sharded like ZeRO-3 (the parameters' shards
+    # are what is stored), and the gathered copies are the extra below
+    _, _, _, p, g, o = rows["FSDP/ZeRO-3" if strategy == "zero2" else _ROW[strategy]]
+    o += 4 * shape.param_tensors  # AdamW's step counters: one fp32 scalar per parameter tensor
+    fw, bw = sim.forward_peak.by_category, sim.backward_peak.by_category
+    share, tp, shard = extra["share"], extra["tp"], extra["shard"]
+
+    def split(n: float) -> float:  # tensor parallelism divides what happens inside blocks
+        return n * (share / tp + (1 - share)) if strategy == "tp_dp" else n
+
+    block_c = shape.largest_block * c / tp
+    root_c = (shape.params - shape.block_params) * c
+    gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
+    # FSDP2's flat all-gather buffers and padding are not counted: on models whose blocks are small next to
+    # their activations (the usual case) they are within the error; on toy models they are not (docs)
+    if strategy == "zero2":  # everything stays gathered after forward; one block's full gradient in backward
+        gathered = {"fw": (shape.params * c, 0.0), "bw": (shape.params * c, block_c)}
+    elif sharded:  # root kept gathered, one block in forward; in backward the next is prefetched too
+        gathered = {"fw": (root_c + block_c, 0.0), "bw": (root_c + block_c, block_c)}
+    fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
+    grads_bw = g if strategy == "ddp_tuned" else g * fraction  # DDP's buckets hold every gradient all step
+    moments = [
+        Peak(strategy, p + gathered["fw"][0], g, o, split(fw["activations"]),
+             split(fw["temporaries"]) + gathered["fw"][1], "forward"),
+        Peak(strategy, p + gathered["bw"][0], grads_bw, o, split(bw["activations"]),
+             split(bw["temporaries"]) + gathered["bw"][1], "backward"),
+        Peak(strategy, p, g, o, 0.0, opt_bytes / (shard if sharded else 1), "optimizer step"),
+    ]  # fmt: skip
+    return max(moments, key=lambda m: m.total)
+
+
+def predict_peaks(
+    module: nn.Module,
+    *,
+    precision: str = "32-true",
+    devices: int = 1,
+    nodes: int = 1,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    example_inputs: Any = None,
+    block_names: list[str] = (),  # type: ignore[assignment]
+    device_type: str = "cuda",
+) -> PeakReport:
+    """Per-rank peak of one training step (AdamW) for every strategy, with and without checkpointing.
+
+    Args:
+        module: the model (any device: it is simulated on meta without copying memory).
+        precision: the Lightning precision flag.
+        devices, nodes: the cluster shape; the micro-batch is per rank.
+        block_names: the transformer blocks' qualified names (as found by ``find_transformer_blocks``).
+        device_type: where it will train: AdamW's default implementation is ``foreach`` on ``"cuda"`` and
+            a for-loop on ``"cpu"``; their scratch memory differs.
+    """
+    precision = canonical_precision(precision)
+    c = precision_bytes(precision).compute
+    blocks = [module.get_submodule(n) for n in block_names]
+    shape = ModelShape.of(module, blocks)
+    kw = {"batch_size": batch_size, "seq_len": seq_len, "example_inputs": example_inputs}
+    sims = {
+        (prec, ac): simulate_step(
+            module, dtype=_compute_dtype(prec), block_names=block_names, activation_checkpointing=ac, **kw
+        )
+        for prec in dict.fromkeys([precision, "32-true", "bf16-mixed"])
+        for ac in ((False, True) if block_names else (False,))
+    }
+    sim = sims[(precision, False)]
+    report = PeakReport(precision, devices, nodes, sim.batch_size, sim.input_description, shape)
+    for (prec, ac), s in sims.items():
+        report.activations.setdefault(prec, {})["on" if ac else "off"] = s.saved_bytes
+    report.block_activation_share = _block_share(module, blocks, precision, kw)
+    rows = {r[0]: r for r in memory_rows(shape.params, devices=devices, nodes=nodes, precision=precision,
+                                         trainable_params=shape.trainable,
+                                         tp_split_params=shape.block_params or None)}  # fmt: skip
+    opt_elem = 4 if precision_bytes(precision).optimizer >= 8 else 2  # AdamW's scratch in the master dtype
+    opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
+    world = devices * nodes
+    for strategy in STRATEGIES:
+        extra = {
+            "share": report.block_activation_share,
+            "tp": devices if strategy == "tp_dp" else 1,
+            "shard": devices if strategy == "hsdp" else world,
+        }
+        args = {"c": c, "opt_bytes": opt_bytes, "extra": extra}
+        report.peaks[strategy] = _strategy_peak(strategy, sim, rows, shape, **args)
+        report.peaks_checkpointed[strategy] = _strategy_peak(
+            strategy, sims.get((precision, True), sim), rows, shape, **args
+        )
+    return report
+
+
+def _block_share(module: nn.Module, blocks: list[nn.Module], precision: str, kw: dict) -> float:
+    """The share of saved activations produced inside transformer blocks (what tensor parallelism divides)."""
+    from lit_parallel.parallel.activations import estimate_activations
+
+    if not blocks:
+        return 0.0
+    est = estimate_activations(module, precision=precision, blocks=blocks, **kw)
+    return est.block_bytes / est.total_bytes if est.total_bytes else 0.0

@@ -1,0 +1,253 @@
+"""Step time of one training step, predicted from one block measured on this machine.
+
+* compute: the largest transformer block's forward + backward is timed for real (median of repeats; a
+  model built on the meta device gets one block materialised, nothing more) at the per-rank micro-batch
+  and at twice it. The two timings give a cost per op and a cost per FLOP on this machine; the whole
+  step's ops and FLOPs are counted on the meta device (``torch.utils.flop_counter.FlopCounterMode``:
+  matrix products, convolutions, attention) and priced with them.
+* optimizer: AdamW timed on the block's parameters and on many tiny tensors: a cost per tensor and per
+  element, priced for the whole model (elements divided by the ranks that shard the optimizer).
+* communication: collective calls per step x their latency + the bytes each rank sends
+  (:func:`~lit_parallel.parallel.memory.estimate_comm_bytes`, ring collectives) / the bus bandwidth, the
+  figures ``lit-parallel doctor`` measures. No overlap with compute is assumed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel.parallel.example_inputs import meta_example_input, to_meta
+from lit_parallel.parallel.memory import estimate_comm_bytes
+from lit_parallel.parallel.step_simulation import default_loss, logits_of, meta_copy
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step's parts on this machine (per rank, before communication).
+
+    Compute is ``ops x seconds_per_op + FLOPs x seconds_per_flop``: both rates come from timing the
+    block at the micro-batch and at twice it (the FLOPs double, the number of ops does not); the
+    model's ops and FLOPs are counted on the meta device. AdamW is ``tensors x seconds_per_tensor +
+    elements x seconds_per_element``, from timing it on the block's parameters and on many tiny tensors.
+    """
+
+    block_s: float
+    op_s: float
+    flop_s: float
+    ops: int
+    flops: int
+    optimizer_tensor_s: float
+    optimizer_element_s: float
+    tensors: int
+    elements: int
+    block_description: str
+
+    @property
+    def compute_s(self) -> float:
+        return self.ops * self.op_s + self.flops * self.flop_s
+
+    def optimizer_s(self, shard: int = 1) -> float:
+        """AdamW's step with the elements divided over ``shard`` ranks (every rank steps every tensor)."""
+        return self.tensors * self.optimizer_tensor_s + self.elements / shard * self.optimizer_element_s
+
+
+class _OpCounter:
+    """Counts the ops a piece of code dispatches (a TorchDispatchMode made on first use)."""
+
+    def __new__(cls) -> Any:
+        from lit_parallel._compat import TorchDispatchMode
+
+        class Counter(TorchDispatchMode):
+            ops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        return Counter()
+
+
+def _count(fn: Any) -> tuple[int, int]:
+    """(ops, FLOPs) of ``fn()``, on any device (meta included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops, ops = FlopCounterMode(display=False), _OpCounter()
+    with flops, ops:
+        fn()
+    return ops.ops, flops.get_total_flops()
+
+
+def _capture_block_call(
+    meta: nn.Module, block: nn.Module, args: tuple
+) -> tuple[tuple, dict, tuple[int, int]]:
+    """The block's (meta) arguments in one meta forward, and the (ops, FLOPs) of the whole model's step."""
+    seen: list[tuple[tuple, dict]] = []
+    handle = block.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
+    try:
+        total = _count(lambda: default_loss(meta(*args), args).backward())
+    finally:
+        handle.remove()
+
+    def fresh(t: Any) -> Any:  # cut from the model's graph, so the block's own step can be counted alone
+        if isinstance(t, torch.Tensor):
+            return t.detach().requires_grad_(t.is_floating_point())
+        if isinstance(t, (tuple, list)):  # e.g. Hugging Face's (cos, sin) position embeddings
+            return type(t)(fresh(x) for x in t)
+        if t is None or isinstance(t, (bool, int, float, str)):
+            return t
+        return None  # e.g. a key/value cache object holding the model's graph: the block runs without it
+
+    a, k = seen[0]
+    return tuple(fresh(x) for x in a), {n: fresh(v) for n, v in k.items()}, total
+
+
+def _real(t: Any, dtype: torch.dtype) -> Any:
+    """A real CPU tensor shaped like meta ``t``: floats random (in ``dtype``), booleans true, integers zero."""
+    if isinstance(t, (tuple, list)):
+        return type(t)(_real(x, dtype) for x in t)
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.is_floating_point():
+        return torch.randn(t.shape, dtype=dtype).requires_grad_(t.requires_grad)
+    if t.dtype == torch.bool:
+        return torch.ones(t.shape, dtype=torch.bool)
+    return torch.zeros(t.shape, dtype=t.dtype)
+
+
+def _materialise(block: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A real copy of a meta block with small random weights (the values do not matter for timing)."""
+    import copy
+
+    real = copy.deepcopy(block).to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for t in (*real.parameters(), *real.buffers()):
+            if t.is_floating_point():
+                t.normal_(0.0, 0.02)
+            else:
+                t.zero_()
+    return real
+
+
+def _median_seconds(fn: Any, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)  # the fastest repeat: the one least disturbed by other processes on the machine
+
+
+def _block_inputs(module: nn.Module, block_name: str | None, dtype: torch.dtype, batch: int | None, kw: dict):
+    """The meta model, the block (or the model), its meta arguments and the whole step's (ops, FLOPs)."""
+    if callable(kw.get("given")):  # a function of the batch size (``advise --input-shape``)
+        kw = {**kw, "given": kw["given"](batch or 1)}
+    example = meta_example_input(module, batch_size=batch, **kw)
+    meta = meta_copy(module, dtype)
+    args = tuple(to_meta(a, dtype) for a in example.args)
+    if block_name is None:  # no blocks: the whole model is the unit (it must fit this machine)
+        return meta, meta, args, {}, _count(lambda: default_loss(meta(*args), args).backward()), example
+    block = meta.get_submodule(block_name)
+    block_args, block_kwargs, total = _capture_block_call(meta, block, args)
+    return meta, block, block_args, block_kwargs, total, example
+
+
+def _time_unit(unit: nn.Module, args: tuple, kwargs: dict, whole: bool, dtype: torch.dtype, repeats: int):
+    """(seconds, ops, FLOPs) of forward + backward of the real ``unit`` on inputs shaped like ``args``."""
+    real = _materialise(unit, dtype)
+    real_args = tuple(_real(a, dtype) for a in args)
+    real_kwargs = {k: _real(v, dtype) for k, v in kwargs.items()}
+
+    def fwd_bwd(m: nn.Module, a: tuple, k: dict) -> None:
+        out = m(*a, **k)
+        (default_loss(out, a) if whole else logits_of(out).float().sum()).backward()
+
+    ops, flops = _count(lambda: fwd_bwd(unit, args, kwargs))
+    return _median_seconds(lambda: fwd_bwd(real, real_args, real_kwargs), repeats), ops, flops, real
+
+
+def _adamw_rates(params: list[torch.Tensor], repeats: int) -> tuple[float, float]:
+    """(seconds per tensor, seconds per element) of AdamW's step on this machine."""
+    tiny = [torch.zeros(1, requires_grad=True) for _ in range(64)]
+    for t in (*tiny, *params):
+        t.grad = torch.zeros_like(t)
+    per_tensor = _median_seconds(torch.optim.AdamW(tiny, lr=1e-6).step, repeats) / len(tiny)
+    if not params:
+        return per_tensor, 0.0
+    whole = _median_seconds(torch.optim.AdamW(params, lr=1e-6).step, repeats)
+    elements = sum(p.numel() for p in params)
+    return per_tensor, max(0.0, whole - per_tensor * len(params)) / elements
+
+
+def predict_step_time(
+    module: nn.Module,
+    *,
+    block_name: str | None,
+    dtype: torch.dtype = torch.float32,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    example_inputs: Any = None,
+    repeats: int = 5,
+) -> StepTime:
+    """Time the largest block (``block_name``; the whole model without blocks) at the micro-batch and at
+    twice it, and AdamW on its parameters; scale to the whole model by ops and FLOPs."""
+    kw = {"seq_len": seq_len, "given": example_inputs}
+    meta, unit, args, kwargs, (ops, flops), example = _block_inputs(module, block_name, dtype, batch_size, kw)
+    whole = block_name is None
+    t1, ops1, flops1, real = _time_unit(unit, args, kwargs, whole, dtype, repeats)
+    op_s, flop_s = t1 / max(1, ops1), 0.0
+    if example_inputs is None or callable(
+        example_inputs
+    ):  # twice the micro-batch: separates the per-op cost from the per-FLOP cost
+        _, unit2, args2, kwargs2, _, _ = _block_inputs(module, block_name, dtype, 2 * example.batch_size, kw)
+        t2, ops2, flops2, _ = _time_unit(unit2, args2, kwargs2, whole, dtype, repeats)
+        if flops2 > flops1 and t2 > t1:
+            flop_s = (t2 - t1) / (flops2 - flops1)
+            op_s = max(0.0, t1 - flop_s * flops1) / max(1, ops1)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    tensor_s, element_s = _adamw_rates([p for p in real.parameters() if p.requires_grad], repeats)
+    description = f"{block_name} ({type(unit).__name__})" if block_name else "the whole model"
+    return StepTime(
+        block_s=t1, op_s=op_s, flop_s=flop_s, ops=ops, flops=flops, optimizer_tensor_s=tensor_s,
+        optimizer_element_s=element_s, tensors=len(trainable), elements=sum(p.numel() for p in trainable),
+        block_description=description,
+    )  # fmt: skip
+
+
+def collectives_per_step(strategy: str, *, groups: int, grad_bytes: float, bucket_bytes: float = 25e6) -> int:
+    """Collective calls per step: DDP one all-reduce per bucket; FSDP2 per group (blocks + root) an
+    all-gather in forward, another in backward (ZeRO-3; not for the root), a reduce-scatter; HSDP adds an
+    all-reduce of each group's gradient shard across replicas."""
+    if strategy == "ddp_tuned":
+        return max(1, -(-int(grad_bytes) // int(bucket_bytes)))
+    if strategy == "zero2":
+        return 2 * groups
+    calls = groups + (groups - 1) + groups
+    return calls + (groups if strategy == "hsdp" else 0)
+
+
+def comm_seconds(
+    strategy: str, params: int, *, devices: int, nodes: int, grad_bytes: int, busbw_gbps: float,
+    latency_s: float = 0.0, groups: int = 1,
+) -> float:  # fmt: skip
+    """Seconds of one step's collectives for ``strategy``: calls x latency + bytes sent / bus bandwidth."""
+    world = devices * nodes
+    if world == 1 or strategy == "one_process":
+        return 0.0
+    kind = {"ddp_tuned": "ddp", "zero2": "zero2", "fsdp_blocks": "fsdp", "hsdp": "hsdp", "tp_dp": "fsdp"}[
+        strategy
+    ]
+    shard = devices if strategy == "hsdp" else None
+    n = (
+        nodes if strategy == "tp_dp" else world
+    )  # tp_dp: FSDP over nodes (TP traffic inside a node not counted)
+    if n == 1:
+        return 0.0
+    sent = estimate_comm_bytes(params, strategy=kind, world_size=n, shard_size=shard, grad_dtype=grad_bytes)
+    calls = collectives_per_step(strategy, groups=groups, grad_bytes=params * grad_bytes)
+    return calls * latency_s + sent / (busbw_gbps * 1e9)
