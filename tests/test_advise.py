@@ -23,6 +23,7 @@ from lit_parallel.parallel.advisor import (
     rules_markdown,
     summarize_model,
 )
+from lit_parallel.strategies.auto import pipeline_choice
 
 GB = 1e9
 
@@ -79,16 +80,38 @@ def test_rule_3_several_nodes_and_state_fits_inside_one_node_gives_hsdp():
     assert a.row("HSDP").state_bytes == pytest.approx(26e9)
 
 
-def test_rule_4_otherwise_fsdp_blocks():
-    # 70e9 x 16 = 1120 GB; one node's 8 devices: 140 GB > 80; all 32 ranks: 35 GB
+def test_rule_4_several_nodes_and_state_fits_only_in_pipeline_stages_gives_pp_dp():
+    # 70e9 x 16 = 1120 GB; one node's 8 devices: 140 GB > 80; 2 stages of 2 nodes: 70 GB <= 80
     a = advise(70e9, devices=8, nodes=4, memory_gb=80, block_params=0.86e9)
-    assert (a.recommendation, a.rule.number) == ("fsdp_blocks", 4)
+    assert (a.recommendation, a.rule.number) == ("pp_dp", 4)
     assert [holds for _, holds, _ in a.evaluations] == [False, False, False, True]
-    assert a.row("FSDP/ZeRO-3").state_bytes == pytest.approx(35e9)
+    evidence = a.evaluations[-1][2]
+    # M = 4P = 8 micro-batches: bubble (P - 1) / (M + P - 1) = 1 / 9
+    assert "pipeline_parallel_size=2" in evidence and "70.00 GB" in evidence and f"{1 / 9:.0%}" in evidence
     assert not a.warnings
-    # one node: rule 3 never applies
+    # the strategy AutoStrategy builds from it: the same stages, sharded inside a node, replicated across nodes
+    pipelined = type("PipelinedModule", (), {"pipeline_loss": lambda self, output, targets: output})()
+    assert pipeline_choice(a, pipelined) == (
+        "pp_dp",
+        {"pipeline_parallel_size": 2, "microbatches": 8, "data_parallel_replicate_size": 2},
+    )
+    # a module without the pipeline hook gets fsdp_blocks (35 GB per rank over all 32 ranks)
+    assert pipeline_choice(a, object()) == ("fsdp_blocks", {})
+    # 3 nodes: stages must divide the nodes, so 3 stages of one node (140 / 3 GB)
+    b = advise(70e9, devices=8, nodes=3, memory_gb=80, block_params=0.86e9)
+    assert b.recommendation == "pp_dp" and "pipeline_parallel_size=3" in b.evaluations[-1][2]
+
+
+def test_rule_5_otherwise_fsdp_blocks():
+    # one node: rules 3 and 4 never apply; 20e9 x 16 / 8 = 40 GB per rank
     one_node = advise(20e9, devices=8, memory_gb=80, block_params=0.5e9)
-    assert one_node.recommendation == "fsdp_blocks"
+    assert (one_node.recommendation, one_node.rule.number) == ("fsdp_blocks", 5)
+    assert [holds for _, holds, _ in one_node.evaluations] == [False, False, False, False, True]
+    assert one_node.row("FSDP/ZeRO-3").state_bytes == pytest.approx(40e9)
+    assert not one_node.warnings
+    # several nodes, but even one stage per node does not fit: the last resort, with a warning
+    too_big = advise(1e12, devices=8, nodes=2, memory_gb=80, block_params=1e9)
+    assert too_big.recommendation == "fsdp_blocks" and "more than" in too_big.warnings[0]
 
 
 def test_unknown_block_size_leaves_rule_2_unevaluated_and_says_why():
@@ -104,7 +127,7 @@ def test_a_recommendation_that_does_not_fit_comes_with_a_warning():
 
 
 def test_rules_are_one_ordered_table_shared_with_the_docs():
-    assert [r.strategy for r in RULES] == ["ddp_tuned", "tp_dp", "hsdp", "fsdp_blocks"]
+    assert [r.strategy for r in RULES] == ["ddp_tuned", "tp_dp", "hsdp", "pp_dp", "fsdp_blocks"]
     table = rules_markdown().splitlines()
     assert len(table) == 2 + len(RULES)
     assert all(f"`{r.strategy}`" in line for r, line in zip(RULES, table[2:]))
@@ -292,11 +315,11 @@ def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(ca
     monkeypatch.setenv("COLUMNS", "300")
     assert main(["advise", "--params", "70e9", "--devices", "8", "--memory-gb", "80"]) == 0
     out = capsys.readouterr().out
-    line = next(s for s in out.splitlines() if s.strip().startswith("4. fsdp_blocks"))
+    line = next(s for s in out.splitlines() if s.strip().startswith("5. fsdp_blocks"))
     assert "yes" not in line and "last resort" in line and "does not fit" in line and "140.00 GB" in line
     a = advise(70e9, devices=8, memory_gb=80)
     assert a.verdict(RULES[-1], True) == "last resort"
-    fits = advise(70e9, devices=8, nodes=4, memory_gb=80, block_params=0.86e9)  # 35 GB per rank
+    fits = advise(20e9, devices=8, memory_gb=80, block_params=0.5e9)  # 40 GB per rank
     assert fits.verdict(RULES[-1], True) == "yes"
 
 

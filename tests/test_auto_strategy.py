@@ -19,7 +19,7 @@ from tests.harness import launch
 from tests.models import Llama
 
 PLENTY = None  # the machine's RAM / ranks: the whole state fits -> ddp_tuned (rule 1)
-BETWEEN = 0.00025  # 250 kB: less than DDP's 363 kB + activations, more than one block -> fsdp_blocks (rule 4)
+BETWEEN = 0.00025  # 250 kB: less than DDP's 363 kB + activations, more than one block -> fsdp_blocks (rule 5)
 TINY = 0.00005  # 50 kB: less than one block's 74 kB -> tp_dp (rule 2)
 
 
@@ -152,9 +152,9 @@ def run(tmp_path_factory):
     ("scenario", "cls", "name", "rule"),
     [
         ("picks_ddp_tuned", "TunedDDPStrategy", "ddp_tuned", 1),
-        ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 4),
+        ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 5),
         ("picks_tp_dp", "TensorParallelStrategy", "tp_dp", 2),
-        ("setup_built_picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 4),
+        ("setup_built_picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 5),
     ],
 )
 def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_like_it(

@@ -26,6 +26,7 @@ from lit_parallel.parallel.activations import ActivationEstimate, estimate_activ
 from lit_parallel.parallel.formatting import GB, format_bytes
 from lit_parallel.parallel.memory_table import MemoryRow, memory_rows, memory_table
 from lit_parallel.parallel.model_summary import ModelSummary, build_on_meta, load_model_class, summarize_model
+from lit_parallel.parallel.pipeline_advice import PIPELINE_RULE_TEXT, pipeline_check
 from lit_parallel.parallel.precision import PRECISIONS, PrecisionBytes, canonical_precision, precision_bytes
 
 # the names this module has always offered, now defined where they belong
@@ -141,8 +142,9 @@ RULES: tuple[Rule, ...] = (
         " shards are all-reduced",
         _rule_hsdp,
     ),
+    Rule(4, *PIPELINE_RULE_TEXT, pipeline_check),
     Rule(
-        4,
+        5,
         "fsdp_blocks",
         "otherwise",
         "sharding over every rank gives the smallest model state per rank",
@@ -438,8 +440,8 @@ def _apply_rules(advice: Advice) -> None:
         if holds:
             advice.recommendation, advice.rule = rule.strategy, rule
             break
-    chosen = next(r for r in advice.rows if r.strategy == advice.recommendation)
-    if not chosen.fits:
+    chosen = next((r for r in advice.rows if r.strategy == advice.recommendation), None)  # pp_dp: none
+    if chosen is not None and not chosen.fits:
         advice.warnings.append(
             f"{advice.recommendation} needs {format_bytes(chosen.total_bytes, decimal=True)} per rank, more"
             f" than the {format_bytes(advice.memory_bytes, decimal=True)} of one device: add devices or nodes,"

@@ -39,6 +39,7 @@ from typing_extensions import override
 from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
 from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
+from lit_parallel.parallel.pipeline_advice import pipeline_plan_for
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.rng import capture_rng_state, restore_rng_state
@@ -46,12 +47,14 @@ from lit_parallel.strategies.arguments import check_common, checked_argument_nam
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
+from lit_parallel.strategies.pipeline import PipelineParallelStrategy
 from lit_parallel.strategies.tensor_parallel import TensorParallelStrategy
 
 CANDIDATES: dict[str, type[ParallelStrategy]] = {
     "ddp_tuned": TunedDDPStrategy,
     "tp_dp": TensorParallelStrategy,
     "hsdp": HybridShardStrategy,
+    "pp_dp": PipelineParallelStrategy,
     "fsdp_blocks": TransformerFSDPStrategy,
 }
 assert set(CANDIDATES) == {rule.strategy for rule in RULES}
@@ -69,7 +72,7 @@ _COMMON = (
 
 
 class AutoStrategy(DDPStrategy):
-    """Chooses ``ddp_tuned``, ``tp_dp``, ``hsdp`` or ``fsdp_blocks`` for the model and devices at hand.
+    """Chooses ``ddp_tuned``, ``tp_dp``, ``hsdp``, ``pp_dp`` or ``fsdp_blocks`` for the model and devices.
 
     As soon as the model is known, the strategy counts its parameters, finds its transformer blocks,
     estimates activations when the model has an ``example_input_array`` (or takes tokens), reads the memory
@@ -79,7 +82,10 @@ class AutoStrategy(DDPStrategy):
     2. one transformer block (parameters and gradients in compute precision, plus activations) does not
        fit one device even when everything else is sharded: ``tp_dp`` (tensor parallel inside a node);
     3. several nodes, and the state sharded inside one node fits: ``hsdp``;
-    4. otherwise: ``fsdp_blocks``.
+    4. several nodes, the state sharded inside one node does not fit, but cut into pipeline stages (one
+       per group of nodes) it does: ``pp_dp`` with ``microbatches = 4 x stages`` (the bubble, (P - 1) /
+       (M + P - 1), is in the evidence); a module without ``pipeline_loss`` gets ``fsdp_blocks``, logged;
+    5. otherwise: ``fsdp_blocks``.
 
     The decision, the evidence for each rule and the per-rank memory table of every strategy are logged
     on rank 0 (logger ``lit_parallel``) and kept as ``trainer.strategy.advice``
@@ -227,8 +233,8 @@ class AutoStrategy(DDPStrategy):
         # chosen strategy then, which holds the model trained so far. A new Trainer decides afresh.
         if self.chosen is None or trainer.strategy is self:
             advice = self.decide(model)
-            name = advice.recommendation if advice is not None else "ddp_tuned"
-            chosen = CANDIDATES[name](**self._kwargs_for(name))
+            name, extra = pipeline_choice(advice, model)
+            chosen = CANDIDATES[name](**{**extra, **self._kwargs_for(name)})
             self._hand_over(chosen)
             chosen.advice = advice  # type: ignore[attr-defined]
             self.advice, self.chosen = advice, chosen
@@ -348,3 +354,29 @@ def _check_candidate_kwargs(name: str, kwargs: dict[str, Any]) -> None:
         cls(**kwargs)
     except (TypeError, ValueError) as err:
         raise ValueError(f"strategy_kwargs[{name!r}]={kwargs!r} does not fit {cls.__name__}: {err}") from None
+
+
+def pipeline_choice(advice: Advice | None, model: Any) -> tuple[str, dict[str, Any]]:
+    """The strategy to build for ``advice`` and the arguments the advice sets: for ``pp_dp`` the stages
+    and micro-batches of its evidence, or ``fsdp_blocks`` when the module has no ``pipeline_loss``."""
+    if advice is None:
+        return "ddp_tuned", {}
+    if advice.recommendation != "pp_dp":
+        return advice.recommendation, {}
+    if not callable(getattr(model, "pipeline_loss", None)):
+        info(
+            "auto_parallel: the advice is pp_dp, but the LightningModule has no pipeline_loss(output, targets)"
+            " (see docs/strategies/pp_dp.md), so fsdp_blocks (sharded over every rank) instead"
+        )
+        return "fsdp_blocks", {}
+    row = advice.row("HSDP")
+    stages = pipeline_plan_for(
+        row.state_bytes, row.activation_bytes or 0.0, advice.memory_bytes, advice.nodes
+    )
+    # as the evidence counts it: each stage is a group of nodes, sharded inside a node, replicated across
+    # the stage's nodes (no parameter crosses a node; activations go stage to stage)
+    return "pp_dp", {
+        "pipeline_parallel_size": stages,
+        "microbatches": 4 * stages,
+        "data_parallel_replicate_size": advice.nodes // stages,
+    }
