@@ -112,3 +112,19 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 
     err = (actual - expected).abs().max().item()
     scale = max(expected.abs().max().item(), 1e-12)
     assert err / scale < rel, f"{what}: relative error {err / scale:.3e} >= {rel:g} (max abs err {err:.3e})"
+
+
+def assert_bitwise(got, expected, what: str) -> None:
+    """``got`` equals ``expected`` bit for bit: tensors with ``torch.equal``, through dicts, lists and tuples."""
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected), f"{what}: not bitwise equal"
+    elif isinstance(expected, dict):
+        assert set(got) == set(expected), f"{what}: keys differ: {sorted(set(got) ^ set(expected))[:6]}"
+        for k in expected:
+            assert_bitwise(got[k], expected[k], f"{what}/{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), what
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_bitwise(g, e, f"{what}[{i}]")
+    else:
+        assert got == expected, f"{what}: {got!r} != {expected!r}"

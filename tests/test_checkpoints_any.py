@@ -15,24 +15,10 @@ import torch
 
 from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY, check_tensor_parallel_layout
 from tests.harness import launch
+from tests.reference import assert_bitwise
 from tests.scenarios.checkpoints_any import LOADS_ON_3, SAVED
 
 SC = "tests.scenarios.checkpoints_any"
-
-
-def _bitwise(got, expected, what: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert torch.equal(got, expected), f"{what}: not bitwise equal"
-    elif isinstance(expected, dict):
-        assert set(got) == set(expected), f"{what}: keys differ: {sorted(set(got) ^ set(expected))[:6]}"
-        for k in expected:
-            _bitwise(got[k], expected[k], f"{what}/{k}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), what
-        for i, (g, e) in enumerate(zip(got, expected)):
-            _bitwise(g, e, f"{what}[{i}]")
-    else:
-        assert got == expected, f"{what}: {got!r} != {expected!r}"
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +35,8 @@ def _check(out: dict, saved: dict, label: str, strategy: str, world: int) -> Non
     assert out["strategy"] == strategy and out["world"] == world, label
     assert out["trained"] == 0 and out["global_step"] == saved["global_step"], label
     assert saved["optimizer"]["state"], f"{label}: the saving run's optimizer state is empty"
-    _bitwise(out["model"], saved["model"], f"{label} model")
-    _bitwise(out["optimizer"], saved["optimizer"], f"{label} optimizer")
+    assert_bitwise(out["model"], saved["model"], f"{label} model")
+    assert_bitwise(out["optimizer"], saved["optimizer"], f"{label} optimizer")
 
 
 STRATEGY_CLASS = {

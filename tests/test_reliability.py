@@ -24,27 +24,14 @@ from lit_parallel.checkpoint import (
 )
 from lit_parallel.reliability import RNG_KEY
 from tests.harness import launch
+from tests.reference import assert_bitwise
 from tests.scenarios import reliability as sc
 
 pytestmark = pytest.mark.multiprocess
 STRATEGIES = ["ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp"]
 TIMEOUT = sc.TIMEOUT_S
+
 SC = "tests.scenarios.reliability"
-
-
-def _bitwise(got, expected, what: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert torch.equal(got, expected), f"{what}: not bitwise equal"
-    elif isinstance(expected, dict):
-        assert set(got) == set(expected), f"{what}: keys differ: {set(got) ^ set(expected)}"
-        for k in expected:
-            _bitwise(got[k], expected[k], f"{what}/{k}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), what
-        for i, (g, e) in enumerate(zip(got, expected)):
-            _bitwise(g, e, f"{what}[{i}]")
-    else:
-        assert got == expected, f"{what}: {got!r} != {expected!r}"
 
 
 def _stamp(path: Path) -> float:
@@ -72,9 +59,9 @@ def test_resume_from_an_epoch_end_checkpoint_is_bitwise_identical_with_dropout(r
         full, n = out["full"]["losses"], out["full"]["batches_per_epoch"]
         assert len(full) == sc.EPOCHS * n
         # dropout (torch), numpy and Python draws all continue exactly where the first epoch left them
-        _bitwise(out["from_epoch_end"]["losses"], full[n:], f"{name} rank {rank} losses")
+        assert_bitwise(out["from_epoch_end"]["losses"], full[n:], f"{name} rank {rank} losses")
         if rank == 0:
-            _bitwise(out["from_epoch_end"]["params"], out["full"]["params"], f"{name} final weights")
+            assert_bitwise(out["from_epoch_end"]["params"], out["full"]["params"], f"{name} final weights")
 
 
 @pytest.mark.timeout(560)
@@ -83,9 +70,11 @@ def test_resume_from_a_mid_epoch_checkpoint_continues_with_the_next_unseen_batch
     res, _, _ = resume
     for rank, out in enumerate(res.scenario(f"resume_{name}")):
         # step6.ckpt: after 6 optimizer steps; the run continues with batch 7 of 8 (or 16), never repeating one
-        _bitwise(out["from_mid_epoch"]["losses"], out["full"]["losses"][6:], f"{name} rank {rank} losses")
+        assert_bitwise(
+            out["from_mid_epoch"]["losses"], out["full"]["losses"][6:], f"{name} rank {rank} losses"
+        )
         if rank == 0:
-            _bitwise(out["from_mid_epoch"]["params"], out["full"]["params"], f"{name} final weights")
+            assert_bitwise(out["from_mid_epoch"]["params"], out["full"]["params"], f"{name} final weights")
 
 
 @pytest.mark.timeout(560)
@@ -99,9 +88,11 @@ def test_preemption_signal_saves_requeues_and_the_requeued_job_resumes_exactly(r
         assert p["cluster"] == "TorchElasticEnvironment"
         # rank 0 got SIGUSR1 at epoch 1 batch 0, rank 1 only later: both saved after that batch's step
         assert p["stopped_at_step"] == n + 1
-        _bitwise(torch.cat([p["first"], p["second"]]), out["full"]["losses"], f"{name} rank {rank} losses")
+        assert_bitwise(
+            torch.cat([p["first"], p["second"]]), out["full"]["losses"], f"{name} rank {rank} losses"
+        )
     p = outs[0]["preempted"]
-    _bitwise(p["params"], outs[0]["full"]["params"], f"{name} final weights")
+    assert_bitwise(p["params"], outs[0]["full"]["params"], f"{name} final weights")
     hpc = Path(p["dir"]) / "hpc_ckpt_1.ckpt"
     assert verify_checkpoint(hpc) == ("file" if name == "ddp_tuned" else "sharded")
     # `scontrol requeue <job>` ran once, on rank 0 only
@@ -335,7 +326,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_whole(raise_in_save,
     path = data / "last.ckpt"
     assert verify_checkpoint(path) == "sharded"
     state = consolidate(path, tmp_path / "model.pt")  # loads without a process group, weights_only
-    _bitwise(state, torch.load(data / "expected_model.pt", weights_only=True), "last.ckpt")
+    assert_bitwise(state, torch.load(data / "expected_model.pt", weights_only=True), "last.ckpt")
     for partial in data.glob(".lit_parallel_partial_*"):  # if the failed save left anything, it is refused
         with pytest.raises(IncompleteCheckpointError, match="missing"):
             verify_checkpoint(partial)
@@ -440,5 +431,5 @@ def test_checkpoint_saved_on_4_ranks_restores_bitwise_on_3_in_another_layout(
     out, expected = loaded[label], saved[source]
     assert out["strategy"] == strategy and out["world"] == 3
     assert out["trained"] == 0 and out["global_step"] == expected["global_step"]
-    _bitwise(out["model"], expected["model"], f"{label} model")
-    _bitwise(out["optimizer"], expected["optimizer"], f"{label} optimizer")
+    assert_bitwise(out["model"], expected["model"], f"{label} model")
+    assert_bitwise(out["optimizer"], expected["optimizer"], f"{label} optimizer")
