@@ -1,7 +1,7 @@
 """Automatic recovery (issue 13 item 6): ``kill -9`` of a rank under ``torchrun --max-restarts``, for every
 strategy, and ``auto_resume=True`` choosing the newest complete checkpoint.
 
-One launch: torchrun, 2 ranks, ``--max-restarts=4``, the strategies creating the process group themselves
+One launch: torchrun, 2 ranks, ``--max-restarts=5``, the strategies creating the process group themselves
 (see tests/scenarios/recovery.py). Expected values are computed independently: the same program run
 uninterrupted in the last attempt. Unit tests (no process group) cover the checkpoint search.
 """

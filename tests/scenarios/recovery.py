@@ -1,8 +1,8 @@
 """Scenarios for issue 13 item 6: automatic recovery under ``torchrun --max-restarts`` and ``auto_resume``.
 
-One torchrun launch of 2 ranks with ``--max-restarts=4``; the strategies create the process group (as in a
+One torchrun launch of 2 ranks with ``--max-restarts=5``; the strategies create the process group (as in a
 user's script). Every attempt runs the same program: for each strategy (ddp_tuned, fsdp_blocks, hsdp,
-tp_dp) ``fit(ckpt_path="last")`` with ``ModelCheckpoint(every_n_train_steps=2, save_last=True)``. In attempt
+tp_dp, pp_dp) ``fit(ckpt_path="last")`` with ``ModelCheckpoint(every_n_train_steps=2, save_last=True)``. In attempt
 ``k`` rank 1 of strategy ``k`` is killed with SIGKILL at the start of step 3 (the last checkpoint is at step
 2, in the middle of the first epoch); torchrun restarts every rank and the next attempt resumes strategy
 ``k`` from ``last.ckpt`` (the strategies before it find their finished run's ``last.ckpt`` and train
@@ -23,11 +23,12 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from tests.scenarios.fsdp import _full_on_rank0
+from tests.scenarios.pipeline import PipeModel
 from tests.scenarios.reliability import NoisyLlama, _seed, loader, make_strategy, trainer
 
-STRATEGIES = ("ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp")
+STRATEGIES = ("ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
 KILL_AT_STEP = 3
-LAST_ATTEMPT = len(STRATEGIES)  # attempts 0..3 each kill one strategy; attempt 4 completes
+LAST_ATTEMPT = len(STRATEGIES)  # attempts 0..4 each kill one strategy; attempt 5 completes
 
 
 def _attempt() -> int:
@@ -45,7 +46,24 @@ class KillRank1(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _model(name: str) -> NoisyLlama:
+class PipelinedLlama(PipeModel):
+    """The pp_dp contract (forward + pipeline_loss) on the reliability tests' (inputs, targets, index)
+    batches; ``losses`` records the step loss the strategy reports, as ``NoisyLlama.losses`` does."""
+
+    def __init__(self):
+        super().__init__(name="llama")
+        self.losses: list[float] = []
+
+    def pipeline_split_batch(self, batch):
+        return batch[0], batch[1]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(self.trainer.callback_metrics["train_loss"].item())
+
+
+def _model(name: str):
+    if name == "pp_dp":
+        return PipelinedLlama()
     return NoisyLlama(per_rank_rng=name != "tp_dp")  # tensor-parallel ranks must draw the same dropout masks
 
 

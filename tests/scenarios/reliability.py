@@ -42,6 +42,8 @@ def make_strategy(name: str, **kwargs) -> L.pytorch.strategies.Strategy:
         return lp.HybridShardStrategy(**{"shard_size": 1, **kwargs})  # 2 ranks: 2 replicas x 1 shard
     if name == "tp_dp":
         return lp.TensorParallelStrategy(**kwargs)
+    if name == "pp_dp":  # 2 ranks: 2 stages of one data-parallel replica, a micro-batch per sample
+        return lp.PipelineParallelStrategy(**{"pipeline_parallel_size": 2, "microbatches": BATCH, **kwargs})
     raise ValueError(name)
 
 
