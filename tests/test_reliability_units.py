@@ -323,3 +323,22 @@ def test_lit_parallel_consolidate_lightning_writes_a_resumable_checkpoint(tmp_pa
     assert torch.load(tmp_path / "full.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"][0][
         "params"
     ] == [0, 1]
+
+
+def test_a_rank_whose_launching_process_is_gone_says_so_in_its_failure_report(monkeypatch, capsys):
+    """Under Lightning's launcher, a rank's collective with a killed launching process fails with gloo's
+    "connection reset by peer"; the report adds who is gone."""
+    from lit_parallel.reliability import Reliability, launcher
+
+    parent = os.getppid() + 1  # not this process's parent: the launching process is gone
+    monkeypatch.setattr(launcher, "_PARENT", launcher._ParentWatchdog(parent))
+    reliability = Reliability(ReliabilityOptions(), timeout=None)
+    error = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:19346: Connection reset by peer")
+    reliability.on_exception(error, rank=1)
+    report = capsys.readouterr().err
+    assert f"the launching process (local rank 0, pid {parent}) is gone" in report
+    assert "Connection reset by peer" in report and "lit_parallel: rank 1 failed" in report
+    # with the launching process alive, nothing is added
+    monkeypatch.setattr(launcher, "_PARENT", launcher._ParentWatchdog(os.getppid()))
+    Reliability(ReliabilityOptions(), timeout=None).on_exception(RuntimeError("x"), rank=1)
+    assert "is gone" not in capsys.readouterr().err

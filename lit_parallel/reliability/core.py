@@ -227,6 +227,9 @@ class Reliability:
                 text = self.reporter.report(exception, _classify(exception), timeout)
             except Exception as err:  # a report must never hide the original error
                 text = f"lit_parallel: rank {rank} failed: {_first_line(exception)} (report: {err})"
+        gone = launcher.launching_process_gone()
+        if gone is not None:
+            text += f"\n  {gone}"
         _stderr(text)
         rest = text.partition("\n")[2]
         if (

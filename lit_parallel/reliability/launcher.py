@@ -189,6 +189,17 @@ _LAUNCHED: _LauncherWatchdog | None = None  # the ranks this process started
 _PARENT: _ParentWatchdog | None = None
 
 
+def launching_process_gone() -> str | None:
+    """In a rank started by Lightning's launcher whose launching process is gone: say so (a collective that
+    fails then fails because of it: "connection reset by peer" names no one)."""
+    if _PARENT is None or os.getppid() == _PARENT.parent:
+        return None
+    return (
+        f"the launching process (local rank 0, pid {_PARENT.parent}) is gone: it was killed or crashed, and"
+        " this rank's collectives with it failed"
+    )
+
+
 def _watch_launching_process() -> None:
     """In a rank started by Lightning's launcher: exit when the launching process is gone (while a strategy
     is set up)."""
