@@ -326,7 +326,7 @@ def one_run(i: int, rng: random.Random, args: argparse.Namespace, refs: dict[str
     # collective timeout (docs/reliability.md): a stall is injected from step 2 on
     first = 2 if fault == "stall" else 1
     spec = {
-        "step": rng.randint(first, args.steps - 1),
+        "step": rng.randint(first, args.steps - 2),  # a fault at the last step could land after the run ended
         "rank": rng.randint(0, 1),
         "steps": args.steps,
         "stall_timeout": args.stall_timeout,
