@@ -77,8 +77,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launcher or an in-process Trainer of an earlier test leaves in this process's environment (Lightning
+# sets MASTER_PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE, PL_GLOBAL_SEED, ... in the process it runs in): a launch
+# starts from none of it, as a fresh shell would, and gets what it needs from the harness and its launcher.
+_INHERITED_DISTRIBUTED = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "LIT_PARALLEL_LAUNCHER_PID",
+)
+
+
 def _base_env(extra: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _INHERITED_DISTRIBUTED and not k.startswith("TORCHELASTIC_")
+    }
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -58,6 +58,8 @@ def test_scaled_learning_rate_rejects_bad_values():
 
 
 def test_per_rank_seed_adds_the_rank(monkeypatch):
+    # a launched rank before its process group exists (an earlier in-process test may have left one here)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setenv("RANK", "3")
     assert per_rank_seed(42) == 45
     monkeypatch.delenv("RANK")
