@@ -5,10 +5,12 @@ that is not a checkpoint is refused with the fix, leaving the folder as it was."
 from __future__ import annotations
 
 import json
+import os
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from torch.utils.data import DataLoader, TensorDataset
@@ -33,6 +35,19 @@ CLI_CASES = [
         {"_memory_gb": 2.5},
     ),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _leave_this_process_as_found():
+    """The in-process fits below create a process group (kept until the process exits, by design) and
+    Lightning sets MASTER_PORT, LOCAL_RANK, PL_GLOBAL_SEED, ... in os.environ: later tests must not inherit
+    either."""
+    environ, existed = dict(os.environ), dist.is_initialized()
+    yield
+    if dist.is_initialized() and not existed:
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def _cli(strategy: str, tmp_path) -> LightningCLI:
