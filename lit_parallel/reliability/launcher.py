@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
+def _stop_thread(stop: threading.Event, thread: threading.Thread | None) -> None:
+    """Signal a watchdog thread to end and wait for it (briefly; never from itself); its new handle: none."""
+    stop.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=1.0)
+
+
 class _LauncherWatchdog:
     """In the launching process (rank 0 of a node under Lightning's launcher): end the run when a rank dies,
     end the other ranks when this process fails, wait for them when it finishes.
@@ -62,10 +69,7 @@ class _LauncherWatchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
-        self._thread = None
+        self._thread = _stop_thread(self._stop, self._thread)
 
     def _rank(self, i: int) -> int:
         return self.first_rank + i
@@ -169,10 +173,7 @@ class _ParentWatchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
-        self._thread = None
+        self._thread = _stop_thread(self._stop, self._thread)
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
