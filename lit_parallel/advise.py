@@ -136,6 +136,13 @@ def _add_prediction_arguments(p: argparse.ArgumentParser) -> None:
         " collective call in the predicted step time",
     )
     p.add_argument(
+        "--cluster",
+        metavar="PATH",
+        help="what `advise --verify --json PATH` measured on the cluster (bus bandwidth, latency, what each"
+        " strategy adds per step, per FSDP group and per parameter tensor): prices the predicted step time;"
+        " --busbw-gbps / --latency-us given as well win",
+    )
+    p.add_argument(
         "--no-step-time",
         dest="step_time",
         action="store_false",
@@ -216,13 +223,27 @@ def _check_prediction_arguments(args: argparse.Namespace) -> None:
         )
     if args.verify_ranks < 1:
         raise ValueError(f"--verify-ranks={args.verify_ranks} must be at least 1")
+    args.cluster_costs = None
+    if getattr(args, "cluster", None):
+        from lit_parallel.parallel.calibration import load_cluster
+
+        cluster = load_cluster(args.cluster)
+        args.busbw_gbps = args.busbw_gbps if args.busbw_gbps is not None else cluster["busbw_gbps"]
+        args.latency_us = args.latency_us if args.latency_us else cluster["latency_s"] * 1e6
+        args.cluster_costs = cluster["costs"]
 
 
 def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D401
     """Peak memory and step time of every strategy; with ``--verify``, predicted vs measured here."""
     from rich.console import Console
 
-    from lit_parallel.advise_report import predict, print_prediction, print_verification, verify
+    from lit_parallel.advise_report import (
+        predict,
+        print_cluster,
+        print_prediction,
+        print_verification,
+        verify,
+    )
     from lit_parallel.parallel.example_inputs import NoExampleInput
 
     console = Console()
@@ -241,6 +262,7 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
             busbw_gbps=args.busbw_gbps,
             latency_s=args.latency_us * 1e-6,
             input_shape=args.input_shape,
+            costs=getattr(args, "cluster_costs", None),
         )
     except NoExampleInput as err:
         console.print(f"[yellow]note[/yellow]: no peak prediction: {err}")
@@ -248,9 +270,12 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
     print_prediction(pred, console)
     out: dict[str, Any] = {"prediction": pred.as_dict()}
     if args.verify:
-        rows = verify(args.model, kwargs, args, console)
+        rows, cluster = verify(args.model, kwargs, args, console)
         print_verification(rows, console)
         out["verification"] = rows
+        if cluster:
+            print_cluster(cluster, console)
+            out["measured_cluster"] = cluster
     return out
 
 

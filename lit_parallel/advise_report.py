@@ -16,13 +16,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_parallel.parallel.calibration import StrategyCost, fit_costs
 from lit_parallel.parallel.formatting import format_bytes
 from lit_parallel.parallel.live_memory import CATEGORIES
 from lit_parallel.parallel.peak import LABELS, PeakReport, predict_peaks
-from lit_parallel.parallel.step_time import StepTime, comm_seconds, predict_step_time
+from lit_parallel.parallel.step_time import StepTime, collectives_per_step, comm_seconds, predict_step_time
 
 MEMORY_TARGET, TIME_TARGET = 0.10, 0.25  # the planner's published error targets
-STEP_TIME_BLOCK_LIMIT = 0.05  # time a block only when it takes less than this share of RAM
+STEP_TIME_BLOCK_LIMIT = (
+    0.05  # time a block (or the whole model) only when it takes less than this share of RAM
+)
+# strategies never measured in a launch priced with the measured cost of the closest one
+_COST_OF = {"hsdp": "fsdp_blocks", "tp_dp": "fsdp_blocks"}
 
 
 @dataclass
@@ -36,11 +41,14 @@ class Prediction:
     busbw_gbps: float | None = None
     latency_s: float = 0.0
     groups: int = 1
+    costs: dict[str, StrategyCost] | None = None
     notes: list[str] = field(default_factory=list)
 
     def step_s(self, strategy: str) -> dict[str, float | None]:
         """Seconds of one step: compute + optimizer (divided where sharded) + communication + Lightning's
-        per-step overhead; communication is ``None`` without a bus bandwidth."""
+        per-step overhead; communication is ``None`` without a bus bandwidth. With measured strategy costs
+        (:mod:`~lit_parallel.parallel.calibration`) communication is the bytes sent over the bus bandwidth
+        plus what the strategy was measured to add per step, per FSDP group and per parameter tensor."""
         if self.timing is None:
             return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
         r = self.report
@@ -53,11 +61,25 @@ class Prediction:
         compute, opt = self.timing.compute_s / tp, self.timing.optimizer_s(shard)
         comm = None
         if self.busbw_gbps:
-            grad = 4 if r.precision in ("32-true",) else 2
-            comm = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                                busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups)  # fmt: skip
+            comm = self._comm_s(strategy)
         step = compute + opt + (comm or 0.0) + self.overhead_s
         return {"compute_s": compute, "optimizer_s": opt, "comm_s": comm, "step_s": step}
+
+    def _comm_s(self, strategy: str) -> float:
+        r = self.report
+        grad = 4 if r.precision in ("32-true",) else 2
+        cost = self.costs.get(_COST_OF.get(strategy, strategy)) if self.costs else None
+        if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
+            return comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
+                                busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups)  # fmt: skip
+        sent = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
+                            busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups)  # fmt: skip
+        calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
+        measured_calls = collectives_per_step(  # the calls the measured cost already holds
+            strategy, groups=self.groups if strategy != "ddp_tuned" else 1, grad_bytes=grad
+        )
+        more_calls = max(0, calls - measured_calls) if strategy in ("ddp_tuned", "hsdp") else 0
+        return sent + more_calls * self.latency_s + cost.seconds(self.groups, self.timing.tensors)
 
     def as_dict(self) -> dict[str, Any]:
         out = self.report.as_dict()
@@ -65,12 +87,15 @@ class Prediction:
             entry["time"] = self.step_s(strategy)
         out.update(model=self.model, overhead_s=self.overhead_s, busbw_gbps=self.busbw_gbps,
                    latency_s=self.latency_s, notes=self.notes)  # fmt: skip
+        if self.costs:
+            out["strategy_costs"] = {name: cost.as_dict() for name, cost in self.costs.items()}
         if self.timing is not None:
             t = self.timing
             out["block_timing"] = {"unit": t.block_description, "block_s": t.block_s, "op_s": t.op_s,
                                    "flop_s": t.flop_s, "ops": t.ops, "flops": t.flops,
                                    "optimizer_tensor_s": t.optimizer_tensor_s,
-                                   "optimizer_element_s": t.optimizer_element_s}  # fmt: skip
+                                   "optimizer_element_s": t.optimizer_element_s, "tensors": t.tensors,
+                                   "elements": t.elements, "fsdp_groups": self.groups}  # fmt: skip
         return out
 
 
@@ -100,9 +125,10 @@ def meta_model(path: str, kwargs: dict[str, Any]) -> tuple[str, nn.Module, list[
 def predict(
     path: str, kwargs: dict[str, Any], *, precision: str, devices: int, nodes: int, batch_size: int | None,
     seq_len: int | None, device_type: str, step_time: bool, busbw_gbps: float | None, latency_s: float = 0.0,
-    input_shape: tuple[int, ...] | None = None,
+    input_shape: tuple[int, ...] | None = None, costs: dict[str, StrategyCost] | None = None,
 ) -> Prediction:  # fmt: skip
-    """Peak memory of every strategy, and the step time when one block can be timed here."""
+    """Peak memory of every strategy, and the step time when the model (or its largest block) can be timed
+    here; ``costs``: what each strategy adds per step on the cluster (``advise --cluster``)."""
     from lit_parallel.parallel.precision import precision_bytes
 
     name, module, names, largest = meta_model(path, kwargs)
@@ -110,12 +136,16 @@ def predict(
     report = predict_peaks(module, precision=precision, devices=devices, nodes=nodes, batch_size=batch_size,
                            seq_len=seq_len, block_names=names, device_type=device_type,
                            example_inputs=given(batch_size or 1) if given else None)  # fmt: skip
-    pred = Prediction(name, report, busbw_gbps=busbw_gbps, latency_s=latency_s, groups=len(names) + 1)
+    pred = Prediction(
+        name, report, busbw_gbps=busbw_gbps, latency_s=latency_s, groups=len(names) + 1, costs=costs
+    )
     if not step_time:
         return pred
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if report.peaks["one_process"].total <= STEP_TIME_BLOCK_LIMIT * ram:
+        largest = None  # the whole model fits: time all of it (Python work between blocks included)
     unit = module.get_submodule(largest) if largest else module
     unit_bytes = sum(p.numel() for p in unit.parameters()) * 16
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
         pred.notes.append(f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
                           f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
@@ -184,9 +214,10 @@ def error_rows(
     return rows
 
 
-def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> list[dict]:
-    """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction."""
-    from lit_parallel.advise_verify import launch, measure_step, peak_from, real_inputs, vocabulary
+def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[list[dict], dict[str, Any]]:
+    """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction.
+    Returns the rows and what the launch measured of the cluster (bus bandwidth, latency, strategy costs)."""
+    from lit_parallel.advise_verify import calibrate, launch, measure_step, peak_from, real_inputs, vocabulary
     from lit_parallel.parallel.example_inputs import meta_example_input
     from lit_parallel.parallel.model_summary import load_model_class
 
@@ -200,6 +231,7 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> list[d
                   seq_len=args.seq_len, device_type="cpu", step_time=True, busbw_gbps=None,
                   input_shape=args.input_shape)  # fmt: skip
     peak, step_s = measure_step(model, real_inputs(ex.args, vocabulary(model)))
+    cluster: dict[str, Any] = {}
     rows = error_rows(
         "one_process", one.report.peaks["one_process"], peak, one.step_s("one_process")["step_s"], step_s
     )
@@ -212,8 +244,11 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> list[d
                         seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
                         latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
         multi.timing, multi.overhead_s = one.timing, one.overhead_s
+        multi.costs = fit_costs(calibrate(), res["calibration"])
+        cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
+                   "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
         for strategy, got in res.items():
-            if strategy in ("busbw_gbps", "latency_s"):
+            if strategy in ("busbw_gbps", "latency_s", "calibration"):
                 continue
             if "error" in got:
                 console.print(f"[yellow]note[/yellow]: {strategy} not measured: {got['error']}")
@@ -221,7 +256,7 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> list[d
             measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
             rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
                                multi.step_s(strategy)["step_s"], got["step_s"])  # fmt: skip
-    return rows
+    return rows, cluster
 
 
 def print_verification(rows: list[dict], console: Any) -> None:
@@ -241,3 +276,14 @@ def print_verification(rows: list[dict], console: Any) -> None:
         ok = {True: "[green]yes[/green]", False: "[red]no[/red]", None: ""}[row["ok"]]
         table.add_row(row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"]), err, ok)
     console.print(table)
+
+
+def print_cluster(cluster: dict[str, Any], console: Any) -> None:
+    """One line on what the verifying launch measured of this machine's collectives and strategies."""
+    costs = "; ".join(
+        f"{name} {c['fixed_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per FSDP group"
+        f" + {c['tensor_s'] * 1e6:.0f} us per parameter tensor"
+        for name, c in cluster["strategy_costs"].items()
+    )
+    console.print(f"measured on {cluster['ranks']} ranks: all-reduce {cluster['busbw_gbps']:.3g} GB/s bus bandwidth,"
+                  f" {cluster['latency_s'] * 1e6:.0f} us latency; what each strategy adds to a step: {costs}")  # fmt: skip

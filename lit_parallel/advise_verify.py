@@ -22,6 +22,7 @@ from torch import nn
 from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
 
 LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks")
+CALIBRATION_REPEATS = 9
 
 
 @dataclass
@@ -107,8 +108,8 @@ def _probe(track_batch: int):
 def measure_step(
     model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = 5
 ):
-    """Train ``model`` for ``2 + repeats`` steps on ``inputs``; the second step's peak and the median of
-    the rest. Returns ``(peak, median seconds)``."""
+    """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the median of
+    the ``repeats`` after it. Returns ``(peak, median seconds)``."""
     import logging
     import warnings
 
@@ -133,7 +134,27 @@ def measure_step(
     )
     loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
     trainer.fit(_lightning_module(model), loader)
-    return probe.peak, min(probe.times)  # the fastest step: the least disturbed by other processes
+    return probe.peak, statistics.median(probe.times)
+
+
+def calibrate(
+    strategy: str | None = None, devices: int = 1, repeats: int = CALIBRATION_REPEATS
+) -> dict[str, float]:
+    """Median step seconds of each :mod:`~lit_parallel.parallel.calibration` shape under ``strategy`` (a
+    :data:`LAUNCH_STRATEGIES` name; ``None``: one process)."""
+    from lit_parallel.parallel.calibration import SHAPES, calibration_input, calibration_model
+
+    out = {}
+    for name in SHAPES:
+        torch.manual_seed(0)
+        _, out[name] = measure_step(
+            calibration_model(name),
+            calibration_input(),
+            devices=devices,
+            repeats=repeats,
+            strategy="auto" if strategy is None else strategy_object(strategy),
+        )
+    return out
 
 
 def lightning_overhead(repeats: int = 10) -> float:
@@ -193,6 +214,10 @@ def worker(args: argparse.Namespace) -> int:
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak_dict(peak))
         results[name] = {"peaks": peaks, "step_s": step_s}
+    # what each strategy adds to a step here, on the three calibration models
+    results["calibration"] = {
+        name: calibrate(name, args.devices, args.calibration_repeats) for name in args.strategies.split(",")
+    }
     # the doctor measurement, here: latency of a tiny all-reduce, bus bandwidth at the gradients' size
     tiny, _ = _all_reduce_seconds(torch.ones(1))
     seconds, n = _all_reduce_seconds(torch.ones(max(1, args.grad_bytes // 4)))
@@ -219,12 +244,14 @@ def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 7) -> tuple[float, int
 def launch(
     model: str, model_kwargs: str | None, *, ranks: int, batch_size: int | None, seq_len: int | None,
     grad_bytes: int, repeats: int = 5, timeout: float = 600, input_shape: tuple[int, ...] | None = None,
+    calibration_repeats: int = CALIBRATION_REPEATS,
 ) -> dict[str, Any]:  # fmt: skip
     """Start ``ranks`` processes (torchrun) that measure :data:`LAUNCH_STRATEGIES`; rank 0's results."""
     from lit_parallel.launch import run_ranks
 
     argv = [f"--model={model}", f"--devices={ranks}", f"--repeats={repeats}", f"--grad-bytes={grad_bytes}"]
     argv.append(f"--strategies={','.join(LAUNCH_STRATEGIES)}")
+    argv.append(f"--calibration-repeats={calibration_repeats}")
     if model_kwargs:
         argv.append(f"--model-kwargs={model_kwargs}")
     if batch_size:
@@ -245,6 +272,7 @@ def _worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--grad-bytes", type=int, default=4 << 20)
+    p.add_argument("--calibration-repeats", type=int, default=CALIBRATION_REPEATS)
     p.add_argument("--strategies", default=",".join(LAUNCH_STRATEGIES))
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)

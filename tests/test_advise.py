@@ -432,10 +432,16 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_and_fsdp_within_10_percen
     from lit_parallel.advise_report import predict
     from lit_parallel.advise_verify import LAUNCH_STRATEGIES, launch, peak_from
 
-    res = launch("tests.models:GPT", None, ranks=2, batch_size=4, seq_len=None, grad_bytes=4096, repeats=1)
+    res = launch("tests.models:GPT", None, ranks=2, batch_size=4, seq_len=None, grad_bytes=4096, repeats=1,
+                 calibration_repeats=1)  # fmt: skip
     pred = predict("tests.models:GPT", {}, precision="32-true", devices=2, nodes=1, batch_size=4,
                    seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
     assert res["busbw_gbps"] > 0 and res["latency_s"] > 0
+    # every strategy ran every calibration shape (lit_parallel/parallel/calibration.py) to a step time
+    assert set(res["calibration"]) == set(LAUNCH_STRATEGIES)
+    assert all(
+        set(v) == {"reference", "thin", "wide"} and min(v.values()) > 0 for v in res["calibration"].values()
+    )
     for strategy in LAUNCH_STRATEGIES:
         assert "error" not in res[strategy], res[strategy]
         measured = max((peak_from(d) for d in res[strategy]["peaks"]), key=lambda m: m.total)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +141,7 @@ def _median_seconds(fn: Any, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)  # the fastest repeat: the one least disturbed by other processes on the machine
+    return statistics.median(times)
 
 
 def _block_inputs(module: nn.Module, block_name: str | None, dtype: torch.dtype, batch: int | None, kw: dict):
@@ -192,7 +193,7 @@ def predict_step_time(
     batch_size: int | None = None,
     seq_len: int | None = None,
     example_inputs: Any = None,
-    repeats: int = 5,
+    repeats: int = 9,
 ) -> StepTime:
     """Time the largest block (``block_name``; the whole model without blocks) at the micro-batch and at
     twice it, and AdamW on its parameters; scale to the whole model by ops and FLOPs."""

@@ -1,0 +1,134 @@
+"""What each strategy adds to a step on this cluster, measured on three tiny models.
+
+On a GPU cluster a tiny collective costs microseconds; on CPU ranks (gloo) it costs what the operating
+system's scheduler makes of it, and FSDP2's per-group work (hooks, copies into and out of the flat
+all-gather / reduce-scatter buffers, DTensor dispatch in the optimizer) dominates small models. None of
+that follows from the bytes sent, so it is measured: :class:`CalibrationNet` with ``blocks`` residual
+blocks of ``layers`` ``Linear(4, 4)`` each is trained for a few steps in one process and under each
+strategy in a real launch (``lit-parallel advise --verify``); the difference is what the strategy adds.
+Three shapes separate the three costs:
+
+* ``reference`` (2 blocks of 1 layer): the strategy's fixed cost per step (one bucket, or the root group
+  and two block groups);
+* ``thin`` (6 blocks of 1 layer): 4 more FSDP groups and 8 more parameter tensors;
+* ``wide`` (6 blocks of 4 layers): the same groups, 36 more tensors than ``thin``.
+
+So ``per tensor = (wide - thin) / 36`` and ``per group = (thin - reference - 8 x per tensor) / 4``; a
+model with ``G`` groups and ``T`` parameter tensors gets ``fixed + (G - 3) x per group + (T - 6) x per
+tensor`` on top of its one-process step, plus the bytes it sends over the measured bus bandwidth
+(:func:`lit_parallel.parallel.step_time.comm_seconds`). DDP has no groups: its per-group cost is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# name -> (blocks, layers per block)
+SHAPES: dict[str, tuple[int, int]] = {"reference": (2, 1), "thin": (6, 1), "wide": (6, 4)}
+FEATURES = 4
+BATCH = 8
+
+
+class CalibrationNet(nn.Module):
+    """``Linear(4, 4)`` then ``blocks`` residual blocks, each an ``nn.Sequential`` of ``layers`` Linears."""
+
+    def __init__(self, blocks: int, layers: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, FEATURES)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(nn.Linear(FEATURES, FEATURES) for _ in range(layers))) for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+def calibration_model(name: str) -> nn.Module:
+    blocks, layers = SHAPES[name]
+    return CalibrationNet(blocks, layers)
+
+
+def calibration_input() -> tuple[torch.Tensor]:
+    return (torch.randn(BATCH, FEATURES, generator=torch.Generator().manual_seed(0)),)
+
+
+def counts(name: str) -> tuple[int, int]:
+    """(FSDP groups, parameter tensors) of a calibration shape: its blocks plus the root group."""
+    blocks, layers = SHAPES[name]
+    return blocks + 1, 2 + 2 * blocks * layers
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """Seconds a strategy adds to one step: fixed, per FSDP group and per parameter tensor, beyond the
+    reference shape (``reference_groups`` groups, ``reference_tensors`` tensors)."""
+
+    fixed_s: float
+    group_s: float
+    tensor_s: float
+    reference_groups: int
+    reference_tensors: int
+
+    @classmethod
+    def fit(cls, extra_s: dict[str, float], *, grouped: bool) -> StrategyCost:
+        """From the seconds the strategy added to each shape (``grouped``: FSDP, which has groups)."""
+        (g_ref, t_ref), (g_thin, t_thin), (_, t_wide) = (counts(n) for n in ("reference", "thin", "wide"))
+        per_tensor = max(0.0, (extra_s["wide"] - extra_s["thin"]) / (t_wide - t_thin))
+        per_group = 0.0
+        if grouped:
+            rest = extra_s["thin"] - extra_s["reference"] - per_tensor * (t_thin - t_ref)
+            per_group = max(0.0, rest / (g_thin - g_ref))
+        return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref)
+
+    def seconds(self, groups: int, tensors: int) -> float:
+        """What the strategy adds to the step of a model with ``groups`` FSDP groups and ``tensors``
+        parameter tensors (never less than the fixed cost)."""
+        more = self.group_s * (groups - self.reference_groups) + self.tensor_s * (
+            tensors - self.reference_tensors
+        )
+        return self.fixed_s + max(0.0, more)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fit_costs(
+    one_process_s: dict[str, float], strategy_s: dict[str, dict[str, float]]
+) -> dict[str, StrategyCost]:
+    """Per strategy, its :class:`StrategyCost` from the step seconds of every shape in one process
+    (``one_process_s``) and under the strategy (``strategy_s[strategy][shape]``)."""
+    out = {}
+    for strategy, seconds in strategy_s.items():
+        extra = {name: seconds[name] - one_process_s[name] for name in SHAPES}
+        out[strategy] = StrategyCost.fit(extra, grouped=strategy != "ddp_tuned")
+    return out
+
+
+def load_cluster(path: str) -> dict[str, Any]:
+    """What ``lit-parallel advise --verify --json PATH`` measured of a cluster (its ``measured_cluster``
+    entry, or that entry saved alone): ``busbw_gbps``, ``latency_s`` and ``strategy_costs`` as
+    :class:`StrategyCost` objects. Raises ``ValueError`` naming what is missing."""
+    import json
+    from pathlib import Path
+
+    fix = "make it with `lit-parallel advise --model ... --verify --json PATH` on the cluster"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--cluster {path}: cannot read it as JSON ({err}); {fix}") from None
+    data = data.get("measured_cluster", data) if isinstance(data, dict) else None
+    need = ("busbw_gbps", "latency_s", "strategy_costs")
+    if not isinstance(data, dict) or any(k not in data for k in need):
+        raise ValueError(f"--cluster {path}: no measured_cluster with {', '.join(need)} in it; {fix}")
+    try:
+        costs = {name: StrategyCost(**c) for name, c in data["strategy_costs"].items()}
+    except TypeError as err:
+        raise ValueError(f"--cluster {path}: a strategy cost is malformed ({err}); {fix}") from None
+    return {"busbw_gbps": float(data["busbw_gbps"]), "latency_s": float(data["latency_s"]), "costs": costs}

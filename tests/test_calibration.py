@@ -1,0 +1,111 @@
+"""The strategy costs the step-time prediction is priced with (lit_parallel/parallel/calibration.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lit_parallel.parallel.calibration import SHAPES, CalibrationNet, StrategyCost, counts, fit_costs
+
+
+def test_the_calibration_shapes_have_the_groups_and_tensors_the_fit_assumes():
+    from lit_parallel.parallel.blocks import find_transformer_blocks
+
+    for name, (blocks, layers) in SHAPES.items():
+        model = CalibrationNet(blocks, layers)
+        found = find_transformer_blocks(model, "auto").blocks
+        groups, tensors = counts(name)
+        assert len(found) + 1 == groups == blocks + 1  # the blocks, then the root group
+        assert len(list(model.parameters())) == tensors == 2 + 2 * blocks * layers
+
+
+def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
+    # a strategy that costs 3 ms per step, 2 ms per FSDP group and 50 us per parameter tensor beyond the
+    # reference shape (3 groups, 6 tensors): thin has 7 groups / 14 tensors, wide 7 groups / 50 tensors
+    fixed, group, tensor = 3e-3, 2e-3, 50e-6
+    one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3}
+    extra = {
+        "reference": fixed,
+        "thin": fixed + 4 * group + 8 * tensor,
+        "wide": fixed + 4 * group + 44 * tensor,
+    }
+    costs = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one}, "ddp_tuned": {
+        k: one[k] + fixed + tensor * (counts(k)[1] - 6) for k in one}})  # fmt: skip
+    f, d = costs["fsdp_blocks"], costs["ddp_tuned"]
+    assert (f.fixed_s, f.group_s, f.tensor_s) == pytest.approx((fixed, group, tensor))
+    assert (d.fixed_s, d.group_s, d.tensor_s) == pytest.approx((fixed, 0.0, tensor))  # DDP has no groups
+    # a model of 13 groups and 100 tensors: 3 ms + 10 x 2 ms + 94 x 50 us
+    assert f.seconds(13, 100) == pytest.approx(3e-3 + 20e-3 + 4.7e-3)
+    assert d.seconds(13, 100) == pytest.approx(3e-3 + 4.7e-3)
+
+
+def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_the_fixed_cost():
+    cost = StrategyCost.fit({"reference": -1e-4, "thin": -2e-4, "wide": -5e-4}, grouped=True)
+    assert (cost.fixed_s, cost.group_s, cost.tensor_s) == (0.0, 0.0, 0.0)
+    cost = StrategyCost(fixed_s=1e-3, group_s=1e-3, tensor_s=1e-4, reference_groups=3, reference_tensors=6)
+    assert cost.seconds(1, 2) == pytest.approx(1e-3)
+
+
+def test_the_predicted_step_adds_the_strategy_cost_and_the_bytes_over_the_bus():
+    from lit_parallel.advise_report import Prediction
+    from lit_parallel.parallel.calibration import StrategyCost
+    from lit_parallel.parallel.memory import estimate_comm_bytes
+    from lit_parallel.parallel.peak import predict_peaks
+    from lit_parallel.parallel.step_time import StepTime
+    from tests.conformance_models import ResidualSequentialNet
+
+    model = ResidualSequentialNet()
+    report = predict_peaks(model, precision="32-true", devices=2, nodes=1, batch_size=4, seq_len=None,
+                           block_names=[f"blocks.{i}" for i in range(3)], device_type="cpu",
+                           example_inputs=__import__("torch").empty(4, 16, device="meta"))  # fmt: skip
+    params = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    timing = StepTime(block_s=0.0, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
+                      optimizer_element_s=1e-9, tensors=tensors, elements=params, block_description="x")  # fmt: skip
+    fsdp = StrategyCost(fixed_s=2e-3, group_s=1e-3, tensor_s=1e-4, reference_groups=3, reference_tensors=6)
+    pred = Prediction("m", report, timing=timing, overhead_s=5e-4, busbw_gbps=1.0, latency_s=1e-4, groups=4,
+                      costs={"fsdp_blocks": fsdp})  # fmt: skip
+    got = pred.step_s("fsdp_blocks")
+    sent = estimate_comm_bytes(params, strategy="fsdp", world_size=2, grad_dtype=4) / 1e9
+    # compute 100 x 10 us; AdamW tensors x 10 us + half the elements x 1 ns; 2 ms + 1 group x 1 ms +
+    # (tensors - 6) x 100 us; Lightning 0.5 ms
+    expected = 1e-3 + (tensors * 1e-5 + params / 2 * 1e-9) + sent + 2e-3 + 1e-3 + (tensors - 6) * 1e-4 + 5e-4
+    assert got["step_s"] == pytest.approx(expected)
+    # without a measured cost the old pricing: every collective call pays the latency
+    assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(1e-4 + 2 * params * 4 / 2 / 1e9)
+
+
+def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypatch, capsys):
+    import json
+
+    from lit_parallel.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    cost = {
+        "fixed_s": 0.004,
+        "group_s": 0.002,
+        "tensor_s": 1e-4,
+        "reference_groups": 3,
+        "reference_tensors": 6,
+    }
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"measured_cluster": {"ranks": 2, "busbw_gbps": 0.5, "latency_s": 2e-4,
+                                                        "strategy_costs": {"fsdp_blocks": cost}}}))  # fmt: skip
+    out = tmp_path / "advice.json"
+    args = ["advise", "--model", "tests.conformance_models:ResidualSequentialNet", "--devices", "2",
+            "--memory-gb", "1", "--batch-size", "4", "--input-shape", "16", "--precision", "32-true"]  # fmt: skip
+    assert main([*args, "--cluster", str(cluster), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["prediction"]
+    timing, fsdp = data["block_timing"], data["peak"]["fsdp_blocks"]["time"]
+    assert data["busbw_gbps"] == 0.5 and data["latency_s"] == pytest.approx(2e-4)
+    assert timing["fsdp_groups"] == 4 and timing["tensors"] == 22  # 3 blocks + root; 11 modules with weights
+    params = timing["elements"]
+    sent = 3 * params * 4 / 2  # ZeRO-3 on 2 ranks: all-gather twice + reduce-scatter, half of each per rank
+    expected_comm = sent / 0.5e9 + 0.004 + 1 * 0.002 + (22 - 6) * 1e-4
+    assert fsdp["comm_s"] == pytest.approx(expected_comm)
+    assert fsdp["step_s"] == pytest.approx(
+        fsdp["compute_s"] + fsdp["optimizer_s"] + expected_comm + data["overhead_s"]
+    )
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"busbw_gbps": 1.0}))
+    assert main([*args, "--cluster", str(bad)]) != 0
+    assert "no measured_cluster with busbw_gbps, latency_s, strategy_costs in it" in capsys.readouterr().err
