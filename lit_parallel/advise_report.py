@@ -49,6 +49,10 @@ class Prediction:
         per-step overhead; communication is ``None`` without a bus bandwidth. With measured strategy costs
         (:mod:`~lit_parallel.parallel.calibration`) communication is the bytes sent over the bus bandwidth
         plus what the strategy was measured to add per step, per FSDP group and per parameter tensor."""
+        if strategy == "pp_dp":  # the pipeline's bubble and stage boundaries: lit_parallel/advise_pipeline.py
+            from lit_parallel.advise_pipeline import pipeline_step_s
+
+            return pipeline_step_s(self)
         if self.timing is None:
             return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
         r = self.report
@@ -188,8 +192,10 @@ def print_prediction(pred: Prediction, console: Any) -> None:
                       f" Lightning's per-step overhead {pred.overhead_s * 1e3:.2f} ms"
                       + (f"; collectives at {pred.busbw_gbps:g} GB/s, {pred.latency_s * 1e6:.0f} us each"
                          if pred.busbw_gbps else ""))  # fmt: skip
-    console.print("pp_dp (pipeline parallelism) is not predicted yet.")
-    for note in pred.notes:
+    if r.pipeline is not None:
+        console.print(f"pp_dp: {r.pipeline.layout.describe()}; the row is its largest stage (stage"
+                      f" {r.pipeline.off.stage}); bubble and stage boundary transfers are in its step time")  # fmt: skip
+    for note in [*r.notes, *pred.notes]:
         console.print(f"[yellow]note[/yellow]: {note}")
 
 

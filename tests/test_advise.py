@@ -471,7 +471,14 @@ def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, mon
     ]
     assert main([*args, "--no-step-time", "--json", str(out)]) == 0
     data = json.loads(out.read_text())["prediction"]
-    assert set(data["peak"]) == {"one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp"}
+    assert set(data["peak"]) == {"one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp"}
+    # pp_dp on 2 devices: a stage per device, the batch of 2 in 2 micro-batches (4 x 2 does not divide it)
+    assert {k: data["pipeline"][k] for k in ("stages", "microbatches", "data_parallel", "micro_batch")} == {
+        "stages": 2,
+        "microbatches": 2,
+        "data_parallel": 1,
+        "micro_batch": 1,
+    }
     for entry in data["peak"].values():
         for ac in ("activation_checkpointing_off", "activation_checkpointing_on"):
             fig = entry[ac]

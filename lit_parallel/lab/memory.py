@@ -2,10 +2,11 @@
 
 A stack of residual MLP blocks (``BlockMLP``) of growing width trains for a few steps under
 ``ddp_tuned``, ZeRO-2 (``fsdp_blocks`` with ``reshard_after_forward=False``), ``fsdp_blocks`` and
-``tp_dp`` on two CPU ranks (one launch for everything); every rank's peak is measured by live-storage
-accounting (:class:`~lit_parallel.parallel.live_memory.LiveMemory`) and printed next to what
-``lit-parallel advise`` predicts for the same model. HSDP on one node is ``fsdp_blocks`` (nothing to
-replicate across), so it is not run separately; pipeline parallelism (``pp_dp``) is not measured yet.
+``tp_dp`` and ``pp_dp`` (two pipeline stages, 1F1B, 8 micro-batches) on two CPU ranks (one launch for
+everything); every rank's peak is measured by live-storage accounting
+(:class:`~lit_parallel.parallel.live_memory.LiveMemory`) and printed next to what ``lit-parallel advise``
+predicts for the same model (for ``pp_dp``: its largest stage). HSDP on one node is ``fsdp_blocks``
+(nothing to replicate across), so it is not run separately.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from lit_parallel.lab.common import figure, launch, run_worker, save, write_csv
 from lit_parallel.parallel.live_memory import CATEGORIES
 
-STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "tp_dp")
+STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "tp_dp", "pp_dp")
 BATCH = 16
 WIDTHS = {True: (32, 128), False: (32, 64, 128, 256, 512)}  # --quick or not
 
@@ -65,6 +66,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
     """In every rank: every width under every strategy; each peak is the largest rank's."""
     import torch.distributed as dist
 
+    from lit_parallel.advise_pipeline import measure_pipeline_step
     from lit_parallel.advise_verify import measure_step, peak_dict
 
     rows: list[dict[str, Any]] = []
@@ -73,7 +75,10 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
             torch.manual_seed(0)
             model, x = BlockMLP(width), (torch.randn(BATCH, width),)
             try:
-                peak, _ = measure_step(model, x, strategy=_strategy(name), devices=2, repeats=1)
+                if name == "pp_dp":  # the pipeline needs the pp_dp contract around the model
+                    peak, _ = measure_pipeline_step(model, x, devices=2, repeats=1)
+                else:
+                    peak, _ = measure_step(model, x, strategy=_strategy(name), devices=2, repeats=1)
             except Exception as err:  # reported in the CSV, the others still measured
                 rows.append({"width": width, "strategy": name, "error": f"{type(err).__name__}: {err}"})
                 continue

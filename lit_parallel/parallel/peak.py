@@ -24,7 +24,9 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
 * ZeRO-2 (``fsdp_blocks`` with ``reshard_after_forward=False``): the state is sharded as in ZeRO-3, and
   every parameter stays gathered after forward; backward adds one block's unsharded gradient.
 * ``tp_dp``: activations and temporaries inside blocks divided by the tensor-parallel size, the gathered
-  block divided too. Pipeline parallelism (``pp_dp``) is not predicted yet.
+  block divided too.
+* ``pp_dp``: the largest pipeline stage, from one micro-batch simulated with its activations attributed
+  to the blocks (:mod:`lit_parallel.parallel.peak_pipeline`, where its terms are written out).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ LABELS = {
     "fsdp_blocks": "fsdp_blocks (ZeRO-3)",
     "hsdp": "hsdp",
     "tp_dp": "tp_dp",
+    "pp_dp": "pp_dp (largest stage)",
 }
 _ROW = {"one_process": "DDP", "ddp_tuned": "DDP", "zero2": "ZeRO-2", "fsdp_blocks": "FSDP/ZeRO-3"}
 _ROW.update({"hsdp": "HSDP", "tp_dp": "TP+DP"})
@@ -112,6 +115,8 @@ class PeakReport:
     peaks_checkpointed: dict[str, Peak] = field(default_factory=dict)
     activations: dict[str, dict[str, float]] = field(default_factory=dict)  # precision -> {"off", "on"}
     block_activation_share: float = 0.0
+    pipeline: Any = None  # pp_dp's layout, step-time inputs: peak_pipeline.PipelinePrediction
+    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +132,7 @@ class PeakReport:
                 }
                 for s in self.peaks
             },
+            **({"pipeline": self.pipeline.as_dict()} if self.pipeline is not None else {}),
         }
 
 
@@ -226,6 +232,10 @@ def predict_peaks(
         report.peaks_checkpointed[strategy] = _strategy_peak(
             strategy, sims.get((precision, True), sim), rows, shape, **args
         )
+    from lit_parallel.parallel.peak_pipeline import add_pipeline_peaks
+
+    add_pipeline_peaks(report, module, list(block_names), precision=precision, device_type=device_type,
+                       seq_len=seq_len, example_inputs=example_inputs)  # fmt: skip
     return report
 
 

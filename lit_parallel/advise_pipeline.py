@@ -1,0 +1,150 @@
+"""Measuring ``pp_dp`` for `lit-parallel advise --verify` and `lit-parallel lab memory`.
+
+The step is the one the planner predicts (:mod:`lit_parallel.parallel.peak_pipeline`): the model's
+``forward`` pipelined by :class:`~lit_parallel.strategies.pipeline.PipelineParallelStrategy` over every rank
+of the launch (one stage per rank, data parallel size 1), the planner's default loss on each micro-batch,
+AdamW. Every rank measures its own peak with :class:`~lit_parallel.parallel.live_memory.LiveMemory` (the
+second step, as for the other strategies); the stage with the largest peak is the figure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel.parallel.peak_pipeline import pipeline_microbatches
+
+PIPELINE_SCHEDULE = "1F1B"  # the strategy's default
+
+
+def _pipeline_module(model: nn.Module):
+    import lightning as L
+
+    from lit_parallel.parallel.step_simulation import default_loss
+
+    class PipelineVerifyStep(L.LightningModule):
+        """The pp_dp contract around the verified model: forward, the planner's loss per micro-batch, AdamW."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args: Any) -> Any:
+            return self.model(*args)
+
+        def pipeline_split_batch(self, batch: Any) -> tuple[tuple, Any]:
+            args = tuple(batch)
+            return args, args[0]  # default_loss needs the first input (token ids are the targets)
+
+        def pipeline_loss(self, output: Any, first_input: Any) -> torch.Tensor:
+            return default_loss(output, (first_input,))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+
+    return PipelineVerifyStep()
+
+
+def measure_pipeline_step(
+    model: nn.Module,
+    inputs: tuple,
+    *,
+    devices: int,
+    microbatches: int | None = None,
+    schedule: str = PIPELINE_SCHEDULE,
+    repeats: int = 5,
+):
+    """Train ``model`` under ``pp_dp`` (``devices`` stages, data parallel 1) for ``4 + repeats`` steps on
+    ``inputs``; this rank's peak of the fourth step and the fastest later step. Call in every rank of a
+    launch of ``devices`` ranks. Returns ``(peak, seconds)``."""
+    import logging
+    import warnings
+
+    import lightning as L
+
+    import lit_parallel as lp
+    from lit_parallel.advise_verify import _probe
+
+    batch = next(a for a in inputs if isinstance(a, torch.Tensor)).shape[0]
+    m = microbatches or pipeline_microbatches(batch, devices)
+    if m is None:
+        raise ValueError(
+            f"a batch of {batch} does not split into between {devices} and {4 * devices} equal micro-batches,"
+            f" which pp_dp with {devices} stages (1F1B) needs; use a batch size divisible by {devices}"
+        )
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=devices, microbatches=m, schedule=schedule)
+    probe = _probe(track_batch=3)
+    for name in ("lightning.pytorch", "lightning.fabric", "lit_parallel"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=4 + repeats,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        use_distributed_sampler=False,
+    )
+    loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
+    trainer.fit(_pipeline_module(model), loader)
+    return probe.peak, min(probe.times)
+
+
+def pipeline_step_s(pred: Any) -> dict[str, float | None]:
+    """``pp_dp``'s seconds of one step for an ``advise`` prediction (the shape of ``Prediction.step_s``):
+    the largest stage's compute over the step's micro-batches with the bubble
+    (:func:`~lit_parallel.parallel.peak_pipeline.pipeline_step_time`), its AdamW step, the stage boundary
+    transfers (and FSDP2's collectives over the stage's data-parallel ranks) at the measured latency and
+    bandwidth, Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no pipeline)."""
+    from lit_parallel.parallel.peak_pipeline import pipeline_step_time
+    from lit_parallel.parallel.step_time import comm_seconds
+
+    pipe, t = pred.report.pipeline, pred.timing
+    if t is None or pipe is None:
+        return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
+    lay, share = pipe.layout, pipe.stage_share
+    # every micro-batch dispatches the stage's ops again; the FLOPs are those of the whole batch
+    stage_s = share * (t.ops * lay.microbatches * t.op_s + t.flops * t.flop_s)
+    time = pipeline_step_time(stage_s, microbatches=lay.microbatches, stages=lay.stages, schedule=lay.schedule,
+                              boundary_bytes=pipe.boundary_bytes, latency_s=pred.latency_s,
+                              bandwidth_gbps=pred.busbw_gbps)  # fmt: skip
+    opt = share * (t.tensors * t.optimizer_tensor_s + t.elements / lay.data_parallel * t.optimizer_element_s)
+    comm = time.p2p_s
+    if pred.busbw_gbps and lay.data_parallel > 1:
+        grad = 4 if pred.report.precision == "32-true" else 2
+        comm += comm_seconds("fsdp_blocks", round(share * pred.report.shape.params), devices=lay.data_parallel,
+                             nodes=1, grad_bytes=grad, busbw_gbps=pred.busbw_gbps, latency_s=pred.latency_s,
+                             groups=pred.groups)  # fmt: skip
+    compute = time.compute_s + time.bubble_s
+    return {
+        "compute_s": compute,
+        "optimizer_s": opt,
+        "comm_s": comm,
+        "step_s": compute + opt + comm + pred.overhead_s,
+    }
+
+
+def pipeline_worker_entry(
+    model: nn.Module, inputs: tuple, *, devices: int, repeats: int = 5
+) -> dict[str, Any]:
+    """``pp_dp`` measured in every rank of an ``advise --verify`` launch (``devices`` ranks = stages), in the
+    shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s}`` or ``{"error": why}``
+    (a model pp_dp cannot split, such as one with weights tied across stages)."""
+    import torch.distributed as dist
+
+    from lit_parallel.advise_verify import peak_dict
+
+    try:
+        peak, step_s = measure_pipeline_step(model, inputs, devices=devices, repeats=repeats)
+    except Exception as err:  # every rank raises alike (the plan is the same everywhere): reported, not fatal
+        return {"error": f"{type(err).__name__}: {err}"}
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_dict(peak))
+    return {"peaks": peaks, "step_s": step_s}

@@ -1,0 +1,425 @@
+"""Per-rank peak memory and step time of pipeline parallelism (``pp_dp``), predicted before any run.
+
+The layout is the strategy's (:class:`~lit_parallel.strategies.pipeline.PipelineParallelStrategy`): the
+model is cut into ``P`` stages at block boundaries by :func:`~lit_parallel.parallel.pipeline.plan_pipeline`
+(balanced by parameter count; embeddings on the first stage, final norm and head on the last), each stage
+sharded by FSDP2 over its ``d`` data-parallel ranks, the step's batch cut into ``M`` micro-batches and run
+by the default schedule, ``1F1B`` (``GPipe`` is predicted too). ``advise`` shows one stage per node on
+several nodes (``d`` = devices per node), one stage per device on one node (``d = 1``), and
+``M = 4 P`` micro-batches as the advisor chooses (fewer when the batch does not divide: see
+:func:`pipeline_microbatches`).
+
+One micro-batch is simulated on the meta device (forward, the planner's loss, backward, as in
+:mod:`~lit_parallel.parallel.step_simulation`), with the saved activations attributed to the modules before
+the blocks, to each block and to what follows them (head and loss). What stage ``s`` holds at its peak,
+the steady state of the schedule, after its first backward (``c``: bytes of the compute dtype; ``b``:
+ZeRO's bytes per parameter of the precision):
+
+* parameters: its pieces' sharded parameters, ``b.params / d`` each, plus the gathered copy of all of them
+  (``c`` each): torch's ``PipelineStage`` turns FSDP2's resharding after backward off for every
+  micro-batch but the last, so the stage stays gathered from its first backward to the end of the step
+  (FSDP2 gathers into its own buffers also when ``d = 1``);
+* gradients: last step's sharded gradients (the strategy holds the schedule's gradients apart until
+  Lightning has zeroed the old ones, so both exist during the schedule) plus the unsharded gradients FSDP2
+  accumulates over the micro-batches (gradient sync is off until the last), ``b.grads`` each;
+* optimizer state: AdamW's, sharded over ``d``, and one fp32 step counter per parameter tensor;
+* activations: the saved activations of the micro-batches in flight: ``min(P - s, M)`` under 1F1B, ``M``
+  under GPipe;
+* temporaries: the stage output kept for backward per micro-batch in flight (stages before the last);
+  torch's receive buffers, one per micro-batch for the activations (stages after the first; those of the
+  micro-batches in flight are already counted as activations) and one per micro-batch for the gradients
+  coming back (stages before the last); the largest temporaries of one micro-batch's forward or backward
+  (with activation checkpointing they include the block backward recomputes).
+
+The optimizer step (stage state, its gradients, AdamW's scratch, the receive buffers) is the other
+moment; the larger one, on the stage with the largest total, is the prediction.
+
+Step time (:func:`pipeline_step_time`): with equal stages of compute ``t`` per step, GPipe and 1F1B take
+``(M + P - 1)`` slots of one micro-batch's forward and backward, ``t / M``, each slot also paying the
+stage boundary's point-to-point transfers (activation forward, gradient back; latency + bytes /
+bandwidth each): the idle fraction, the bubble, is ``(P - 1) / (M + P - 1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel.parallel.precision import PrecisionBytes
+
+PREDICTED_SCHEDULES = ("1F1B", "GPipe")
+
+__all__ = [
+    "PREDICTED_SCHEDULES",
+    "MicroBatchSimulation",
+    "PipelineLayout",
+    "PipelineStepTime",
+    "StageBytes",
+    "PipelinePrediction",
+    "in_flight",
+    "pipeline_layout",
+    "pipeline_microbatches",
+    "pipeline_plan",
+    "pipeline_step_time",
+    "predict_pipeline",
+    "simulate_micro_batch",
+    "stage_peaks",
+]
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once: GPipe runs every forward first (all
+    ``M``); 1F1B starts backward as soon as the last stage can, so stage ``s`` holds ``min(P - s, M)``."""
+    if schedule == "GPipe":
+        return microbatches
+    if schedule == "1F1B":
+        return min(stages - stage, microbatches)
+    raise ValueError(
+        f"schedule={schedule!r} is not predicted; the planner predicts {', '.join(PREDICTED_SCHEDULES)}"
+    )
+
+
+def pipeline_microbatches(batch_size: int, stages: int) -> int | None:
+    """``4 x stages`` micro-batches as the advisor chooses, or the most below that divide ``batch_size`` (at
+    least ``stages``, as 1F1B needs); ``None`` when none does."""
+    for m in range(4 * stages, stages - 1, -1):
+        if batch_size % m == 0:
+            return m
+    return None
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Stages ``P``, micro-batches ``M``, data-parallel ranks per stage ``d``, the schedule, and the
+    micro-batch (``batch_size / M`` samples)."""
+
+    stages: int
+    microbatches: int
+    data_parallel: int
+    schedule: str
+    micro_batch: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.stages} stages x {self.data_parallel} data-parallel, {self.schedule}, {self.microbatches}"
+            f" micro-batches of {self.micro_batch}"
+        )
+
+
+def pipeline_layout(
+    devices: int, nodes: int, batch_size: int, schedule: str = "1F1B", stages: int | None = None
+) -> PipelineLayout | None:
+    """The layout ``advise`` predicts: one stage per node on several nodes, else one per device; ``None``
+    when there is one rank, or the batch cannot be cut into micro-batches (fewer samples than stages)."""
+    world = devices * nodes
+    p = stages or (nodes if nodes > 1 else devices)
+    if p < 2 or world % p:
+        return None
+    m = pipeline_microbatches(batch_size, p)
+    if m is None:
+        return None
+    return PipelineLayout(p, m, world // p, schedule, batch_size // m)
+
+
+@dataclass(frozen=True)
+class MicroBatchSimulation:
+    """One micro-batch simulated on meta: saved activations before the blocks (``prefix``), per block, and
+    after them (``suffix``: head and loss); each block's output bytes; the largest temporaries."""
+
+    prefix: float
+    blocks: list[float]
+    suffix: float
+    outputs: list[float]
+    temporaries: float
+
+
+def simulate_micro_batch(
+    module: nn.Module,
+    block_names: list[str],
+    args: tuple,
+    *,
+    dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+) -> MicroBatchSimulation:
+    """Forward, :func:`~lit_parallel.parallel.step_simulation.default_loss` and backward of one micro-batch
+    (``args``: meta tensors) on a meta copy of ``module``, saved activations attributed by block."""
+    from lit_parallel.parallel.activations import forward_target
+    from lit_parallel.parallel.example_inputs import to_meta
+    from lit_parallel.parallel.live_memory import LiveMemory
+    from lit_parallel.parallel.parallelize import apply_activation_checkpointing
+    from lit_parallel.parallel.step_simulation import default_loss, meta_copy
+
+    meta = meta_copy(module, dtype)
+    blocks = [meta.get_submodule(n) for n in block_names]
+    tracker = LiveMemory(list(meta.parameters()), exact=False)
+    marks: list[tuple[float, float]] = []  # (activations before, after) per block call
+    outputs: list[float] = []
+
+    def saved() -> float:
+        return float(tracker.snapshot().by_category["activations"])
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        marks.append((saved(), 0.0))
+
+    def post(module: nn.Module, _args: Any, out: Any) -> None:
+        marks[-1] = (marks[-1][0], saved())
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        outputs.append(float(first.untyped_storage().nbytes()) if isinstance(first, torch.Tensor) else 0.0)
+
+    handles = []
+    for block in blocks:
+        if activation_checkpointing:
+            apply_activation_checkpointing(block)
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    args = tuple(to_meta(a, dtype) for a in args)
+    try:
+        with tracker:
+            loss = default_loss(forward_target(meta, blocks)(*args), args)
+            forward = tracker.peak_so_far().by_category
+            end = saved()
+            tracker.reset_peak()
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+    backward = tracker.peak.by_category
+    per_block = [after - before for before, after in marks]
+    return MicroBatchSimulation(
+        prefix=marks[0][0] if marks else end,
+        blocks=per_block,
+        suffix=end - marks[-1][1] if marks else 0.0,
+        outputs=outputs,
+        temporaries=float(max(forward.get("temporaries", 0), backward.get("temporaries", 0))),
+    )
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """One stage's peak: bytes by category, the moment, and the stage's index."""
+
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    temporaries: float
+    phase: str
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+
+def _stage_counts(module: nn.Module, pieces: list[str]) -> tuple[int, int, int, int]:
+    """(parameters, trainable, trainable tensors, largest trainable tensor) of a stage's pieces."""
+    params = list(dict.fromkeys(p for name in pieces for p in module.get_submodule(name).parameters()))
+    trainable = [p for p in params if p.requires_grad]
+    return (
+        sum(p.numel() for p in params),
+        sum(p.numel() for p in trainable),
+        len(trainable),
+        max((p.numel() for p in trainable), default=0),
+    )
+
+
+def pipeline_plan(module: nn.Module, block_names: list[str], layout: PipelineLayout) -> Any:
+    """The strategy's stages for ``layout`` (:func:`~lit_parallel.parallel.pipeline.plan_pipeline`)."""
+    from lit_parallel.parallel.blocks import BlockPlan
+    from lit_parallel.parallel.pipeline import plan_pipeline
+
+    blocks = BlockPlan([(n, module.get_submodule(n)) for n in block_names], (), 0)
+    return plan_pipeline(module, blocks, pp_size=layout.stages, schedule=layout.schedule,
+                         microbatches=layout.microbatches)  # fmt: skip
+
+
+def stage_peaks(
+    module: nn.Module,
+    plan: Any,
+    block_names: list[str],
+    layout: PipelineLayout,
+    sim: MicroBatchSimulation,
+    b: PrecisionBytes,
+    *,
+    device_type: str = "cuda",
+) -> list[StageBytes]:
+    """Every stage's peak (the module docstring's terms) for ``layout`` from one micro-batch's simulation
+    (with activation checkpointing, the simulation's temporaries hold the block recomputed in backward)."""
+    index = {n: i for i, n in enumerate(block_names)}
+    d, m, c = layout.data_parallel, layout.microbatches, b.compute
+    opt_elem = 4 if b.optimizer >= 8 else 2  # AdamW's scratch in the master dtype
+    out = []
+    for stage in plan.stages:
+        s, last = stage.index, stage.index == plan.num_stages - 1
+        params, trainable, tensors, largest = _stage_counts(module, stage.pieces)
+        ids = [index[n] for n in stage.blocks]
+        acts = (
+            sum(sim.blocks[i] for i in ids) + (sim.prefix if s == 0 else 0.0) + (sim.suffix if last else 0.0)
+        )
+        k = in_flight(layout.schedule, s, plan.num_stages, m)
+        boundary_out = 0.0 if last else sim.outputs[ids[-1]]
+        boundary_in = 0.0 if s == 0 else sim.outputs[ids[0] - 1]
+        buffers = m * boundary_out + m * boundary_in  # torch's receive buffers, kept between steps
+        optimizer = trainable * b.optimizer / d + 4 * tensors
+        scratch = (trainable / d if device_type == "cuda" else 2 * largest) * opt_elem
+        out.append(max(
+            StageBytes(s, params * b.params / d + params * c, trainable * b.grads / d + trainable * b.grads,
+                       optimizer, k * acts,
+                       k * boundary_out + buffers - k * boundary_in + sim.temporaries,
+                       "backward"),
+            StageBytes(s, params * b.params / d, trainable * b.grads / d, optimizer, 0.0, scratch + buffers,
+                       "optimizer step"),
+            key=lambda x: x.total,
+        ))  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineStepTime:
+    """Seconds of one pipeline step: busy compute, the bubble, the stage boundary transfers."""
+
+    compute_s: float
+    bubble_s: float
+    p2p_s: float
+    overhead_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.bubble_s + self.p2p_s + self.overhead_s
+
+
+def pipeline_step_time(
+    stage_compute_s: float,
+    *,
+    microbatches: int,
+    stages: int,
+    schedule: str = "1F1B",
+    boundary_bytes: float = 0.0,
+    latency_s: float = 0.0,
+    bandwidth_gbps: float | None = None,
+    slot_overhead_s: float = 0.0,
+) -> PipelineStepTime:
+    """One step of GPipe or 1F1B over equal stages.
+
+    Args:
+        stage_compute_s: forward + backward of one stage over the whole step's batch (all micro-batches).
+        boundary_bytes: the activation one micro-batch sends to the next stage (its gradient comes back
+            with the same size).
+        latency_s, bandwidth_gbps: one point-to-point transfer's latency and bandwidth (GB/s); without a
+            bandwidth only the latency is counted.
+        slot_overhead_s: fixed seconds every slot costs besides compute and transfers (the schedule's and
+            FSDP2's per-micro-batch bookkeeping: about 12 ms per micro-batch on 2 CPU ranks of a busy
+            machine, measured; negligible next to a GPU's micro-batch of a large model); 0 by default.
+
+    Returns:
+        ``M`` slots of compute, ``P - 1`` slots idle (the bubble, ``(P - 1) / (M + P - 1)`` of the step),
+        and in each of the ``M + P - 1`` slots one activation sent forward and one gradient sent back.
+    """
+    if schedule not in PREDICTED_SCHEDULES:
+        raise ValueError(
+            f"schedule={schedule!r} is not predicted; choose one of {', '.join(PREDICTED_SCHEDULES)}"
+        )
+    if microbatches < 1 or stages < 1:
+        raise ValueError(f"microbatches={microbatches} and stages={stages} must be at least 1")
+    slot = stage_compute_s / microbatches
+    transfer = 0.0
+    if stages > 1:
+        transfer = latency_s + (boundary_bytes / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0)
+    slots = microbatches + stages - 1
+    return PipelineStepTime(
+        stage_compute_s, (stages - 1) * slot, slots * 2 * transfer, slots * slot_overhead_s
+    )
+
+
+@dataclass(frozen=True)
+class PipelinePrediction:
+    """``pp_dp`` for one model and cluster shape: the layout, the largest stage's peak without and with
+    activation checkpointing, one micro-batch's stage boundary bytes, and the largest stage's share of the
+    parameters (its share of the compute, for the step time)."""
+
+    layout: PipelineLayout
+    off: StageBytes
+    on: StageBytes
+    boundary_bytes: float
+    stage_share: float
+
+    def as_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {"stages": lay.stages, "microbatches": lay.microbatches, "data_parallel": lay.data_parallel,
+                "schedule": lay.schedule, "micro_batch": lay.micro_batch, "largest_stage": self.off.stage,
+                "boundary_bytes": self.boundary_bytes, "largest_stage_param_share": self.stage_share}  # fmt: skip
+
+
+def _micro_batch_args(module: nn.Module, micro_batch: int, seq_len: int | None, example_inputs: Any) -> tuple:
+    from lit_parallel.parallel.example_inputs import as_args, meta_example_input
+
+    if example_inputs is not None:  # a given input of the whole batch: its first micro_batch samples
+        example_inputs = tuple(
+            a[:micro_batch] if isinstance(a, torch.Tensor) and a.dim() else a for a in as_args(example_inputs)
+        )
+    return meta_example_input(module, batch_size=micro_batch, seq_len=seq_len, given=example_inputs).args
+
+
+def predict_pipeline(
+    module: nn.Module,
+    block_names: list[str],
+    b: PrecisionBytes,
+    *,
+    devices: int,
+    nodes: int,
+    batch_size: int,
+    seq_len: int | None = None,
+    example_inputs: Any = None,
+    device_type: str = "cuda",
+    stages: int | None = None,
+) -> PipelinePrediction:
+    """The largest stage's peak of ``pp_dp`` (1F1B, the layout of :func:`pipeline_layout`) for a step of
+    ``batch_size`` samples per pipeline. Raises ``ValueError`` saying why when it cannot be predicted (no
+    blocks, one rank, a batch smaller than the stages, weights tied across stages, ...)."""
+    if not block_names:
+        raise ValueError("pp_dp cuts the model between transformer blocks, and none were found")
+    layout = pipeline_layout(devices, nodes, batch_size, stages=stages)
+    if layout is None:
+        raise ValueError(
+            f"pp_dp needs at least 2 stages (one per node, or per device on one node) and a batch of at"
+            f" least as many samples; here {devices} device(s) x {nodes} node(s), batch {batch_size}"
+        )
+    if len(block_names) < layout.stages:
+        raise ValueError(f"{len(block_names)} blocks cannot be cut into {layout.stages} stages")
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[b.compute]
+    plan = pipeline_plan(module, block_names, layout)  # raises for weights tied across stages
+    args = _micro_batch_args(module, layout.micro_batch, seq_len, example_inputs)
+    sim = simulate_micro_batch(module, block_names, args, dtype=dtype)
+    sim_ac = simulate_micro_batch(module, block_names, args, dtype=dtype, activation_checkpointing=True)
+    off = stage_peaks(module, plan, block_names, layout, sim, b, device_type=device_type)
+    on = stage_peaks(module, plan, block_names, layout, sim_ac, b, device_type=device_type)
+    total = sum(p.numel() for p in dict.fromkeys(module.parameters())) or 1
+    return PipelinePrediction(
+        layout,
+        max(off, key=lambda x: x.total),
+        max(on, key=lambda x: x.total),
+        boundary_bytes=max(sim.outputs, default=0.0),
+        stage_share=max(s.params for s in plan.stages) / total,
+    )
+
+
+def add_pipeline_peaks(report: Any, module: nn.Module, block_names: list[str], *, precision: str,
+                       device_type: str, seq_len: int | None, example_inputs: Any) -> None:  # fmt: skip
+    """Put ``pp_dp``'s peaks (the largest stage) into a :class:`~lit_parallel.parallel.peak.PeakReport`, or a
+    note saying why it is not predicted."""
+    from lit_parallel.parallel.peak import Peak
+    from lit_parallel.parallel.precision import precision_bytes
+
+    try:
+        pred = predict_pipeline(module, block_names, precision_bytes(precision), devices=report.devices,
+                                nodes=report.nodes, batch_size=report.batch_size, seq_len=seq_len,
+                                example_inputs=example_inputs, device_type=device_type)  # fmt: skip
+    except ValueError as err:
+        report.notes.append(f"pp_dp not predicted: {err}")
+        return
+    report.pipeline = pred
+    for target, x in ((report.peaks, pred.off), (report.peaks_checkpointed, pred.on)):
+        target["pp_dp"] = Peak("pp_dp", x.params, x.grads, x.optimizer, x.activations, x.temporaries, x.phase)

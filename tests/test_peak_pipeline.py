@@ -1,0 +1,94 @@
+"""The planner's pp_dp terms: schedule arithmetic, the layout advise shows, a stage's peak by hand.
+
+The measured side (a real two-stage launch under LiveMemory, predicted within 10 %) runs inside the lab's
+memory launch: tests/test_lab.py::_check_memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_parallel.lab.memory import BlockMLP
+from lit_parallel.parallel.peak_pipeline import (
+    in_flight,
+    pipeline_layout,
+    pipeline_microbatches,
+    pipeline_plan,
+    pipeline_step_time,
+    simulate_micro_batch,
+    stage_peaks,
+)
+from lit_parallel.parallel.precision import precision_bytes
+
+
+def test_pipeline_step_time_is_the_bubble_plus_one_transfer_each_way_per_slot():
+    # 2 stages, 4 micro-batches, 0.8 s of compute per stage per step: 0.2 s per micro-batch slot; the
+    # bubble is P - 1 = 1 idle slot (1/5 = (P-1)/(M+P-1) of the compute time); each of the M + P - 1 = 5 slots
+    # sends 1 MB forward and its gradient back at 100 us latency + 1e6 B / 10 GB/s = 100 us each
+    t = pipeline_step_time(
+        0.8, microbatches=4, stages=2, boundary_bytes=1e6, latency_s=1e-4, bandwidth_gbps=10.0
+    )
+    assert t.compute_s == pytest.approx(0.8)
+    assert t.bubble_s == pytest.approx(0.2)
+    assert t.bubble_s / (t.compute_s + t.bubble_s) == pytest.approx(1 / 5)
+    assert t.p2p_s == pytest.approx(5 * 2 * 2e-4)
+    assert t.step_s == pytest.approx(1.002)
+    busy = pipeline_step_time(0.8, microbatches=4, stages=2, slot_overhead_s=0.01)
+    assert busy.overhead_s == pytest.approx(5 * 0.01) and busy.step_s == pytest.approx(1.05)
+    gpipe = pipeline_step_time(0.8, microbatches=4, stages=2, schedule="GPipe")
+    assert gpipe.step_s == pytest.approx(1.0)  # same bubble, no transfer cost without latency/bandwidth
+    assert pipeline_step_time(0.8, microbatches=4, stages=1, latency_s=1.0).step_s == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="schedule='DualPipeV' is not predicted; choose one of 1F1B, GPipe"):
+        pipeline_step_time(0.8, microbatches=4, stages=2, schedule="DualPipeV")
+
+
+def test_micro_batches_in_flight_follow_the_schedule():
+    assert [in_flight("1F1B", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1F1B", s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("GPipe", s, 4, 8) for s in range(4)] == [8, 8, 8, 8]
+    with pytest.raises(ValueError, match="Interleaved1F1B"):
+        in_flight("Interleaved1F1B", 0, 2, 4)
+
+
+def test_the_layout_advise_predicts():
+    # one node: a stage per device; 4 x P micro-batches when the batch divides
+    assert pipeline_layout(2, 1, 16) == pipeline_layout(2, 1, 16, stages=2)
+    lay = pipeline_layout(2, 1, 16)
+    assert (lay.stages, lay.microbatches, lay.data_parallel, lay.micro_batch) == (2, 8, 1, 2)
+    # several nodes: a stage per node, the node's devices data-parallel; the most micro-batches dividing 6
+    lay = pipeline_layout(8, 2, 6)
+    assert (lay.stages, lay.microbatches, lay.data_parallel, lay.micro_batch) == (2, 6, 8, 1)
+    assert pipeline_layout(1, 1, 16) is None  # one rank: no pipeline
+    assert (
+        pipeline_layout(4, 1, 3) is None and pipeline_microbatches(3, 4) is None
+    )  # fewer samples than stages
+
+
+def test_a_stage_peak_adds_the_terms_written_in_the_module_docstring():
+    """BlockMLP(width 8, depth 2), fp32, 2 stages (a block each), batch 16 -> 8 micro-batches of 2."""
+    torch.manual_seed(0)
+    w, b = 8, 2
+    model = BlockMLP(w, depth=2)
+    names = ["blocks.0", "blocks.1"]
+    lay = pipeline_layout(2, 1, 16)
+    sim = simulate_micro_batch(model, names, (torch.empty(b, w, device="meta"),))
+    # what a block saves, per sample, in fp32: LayerNorm's input, mean and rstd (w + 2), the first Linear's
+    # input (w), GELU's input and output (4w + 4w)
+    assert sim.blocks == [4 * b * (10 * w + 2)] * 2
+    assert sim.outputs == [4 * b * w] * 2
+    peaks = stage_peaks(model, pipeline_plan(model, names, lay), names, lay, sim, precision_bytes("32-true"),
+                        device_type="cpu")  # fmt: skip
+    first = peaks[0]
+    n = 2 * w + (w * 4 * w + 4 * w) + (4 * w * w + w)  # one block's parameters; 6 tensors
+    assert first.phase == "backward"
+    assert first.params == n * (4 + 4)  # its (one-rank) shard + FSDP2's gathered copy, kept all step
+    assert first.grads == n * (4 + 4)  # last step's, held, + the ones accumulating over micro-batches
+    assert first.optimizer == n * 8 + 6 * 4  # AdamW's two states + a step counter per tensor
+    assert first.activations == 2 * sim.blocks[0]  # 1F1B: stage 0 of 2 holds 2 micro-batches
+    # its output kept for backward per micro-batch in flight, one gradient receive buffer per micro-batch
+    assert first.temporaries - sim.temporaries == 2 * 4 * b * w + 8 * 4 * b * w
+    last = peaks[1]
+    assert last.activations == sim.blocks[1] + sim.suffix  # the head and the loss live on the last stage
+    # activations arrive into one receive buffer per micro-batch; the one in flight is the block's input
+    assert last.temporaries - sim.temporaries == (8 - 1) * 4 * b * w
