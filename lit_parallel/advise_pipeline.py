@@ -9,6 +9,7 @@ second step, as for the other strategies); the stage with the largest peak is th
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ def measure_pipeline_step(
     repeats: int = 5,
 ):
     """Train ``model`` under ``pp_dp`` (``devices`` stages, data parallel 1) for ``4 + repeats`` steps on
-    ``inputs``; this rank's peak of the fourth step and the fastest later step. Call in every rank of a
+    ``inputs``; this rank's peak of the fourth step and the median of the later steps. Call in every rank of a
     launch of ``devices`` ranks. Returns ``(peak, seconds)``."""
     import logging
     import warnings
@@ -94,7 +95,7 @@ def measure_pipeline_step(
     )
     loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
     trainer.fit(_pipeline_module(model), loader)
-    return probe.peak, min(probe.times)
+    return probe.peak, statistics.median(probe.times)
 
 
 def pipeline_step_s(pred: Any) -> dict[str, float | None]:
@@ -112,11 +113,12 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     lay, share = pipe.layout, pipe.stage_share
     # every micro-batch dispatches the stage's ops again; the FLOPs are those of the whole batch
     stage_s = share * (t.ops * lay.microbatches * t.op_s + t.flops * t.flop_s)
+    cost = (pred.costs or {}).get("pp_dp")  # measured per slot by advise --verify's calibration
     time = pipeline_step_time(stage_s, microbatches=lay.microbatches, stages=lay.stages, schedule=lay.schedule,
                               boundary_bytes=pipe.boundary_bytes, latency_s=pred.latency_s,
-                              bandwidth_gbps=pred.busbw_gbps)  # fmt: skip
+                              bandwidth_gbps=pred.busbw_gbps, slot_overhead_s=cost.slot_s if cost else 0.0)  # fmt: skip
     opt = share * (t.tensors * t.optimizer_tensor_s + t.elements / lay.data_parallel * t.optimizer_element_s)
-    comm = time.p2p_s
+    comm = time.p2p_s + time.overhead_s  # transfers and the schedule's per-slot bookkeeping
     if pred.busbw_gbps and lay.data_parallel > 1:
         grad = 4 if pred.report.precision == "32-true" else 2
         comm += comm_seconds("fsdp_blocks", round(share * pred.report.shape.params), devices=lay.data_parallel,

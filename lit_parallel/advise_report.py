@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_parallel.parallel.calibration import StrategyCost, fit_costs
+from lit_parallel.parallel.calibration import StrategyCost, calibration_slots, fit_costs, fit_pipeline_cost
 from lit_parallel.parallel.formatting import format_bytes
 from lit_parallel.parallel.live_memory import CATEGORIES
 from lit_parallel.parallel.peak import LABELS, PeakReport, predict_peaks
@@ -250,7 +250,12 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                         seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
                         latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
         multi.timing, multi.overhead_s = one.timing, one.overhead_s
-        multi.costs = fit_costs(calibrate(), res["calibration"])
+        one_cal = calibrate()
+        multi.costs = fit_costs(one_cal, {k: v for k, v in res["calibration"].items() if k != "pp_dp"})
+        if "pp_dp" in res["calibration"]:
+            multi.costs["pp_dp"] = fit_pipeline_cost(
+                one_cal["reference"], res["calibration"]["pp_dp"]["reference"], calibration_slots(n)
+            )
         cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
                    "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
         for strategy, got in res.items():
@@ -258,6 +263,10 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                 continue
             if "error" in got:
                 console.print(f"[yellow]note[/yellow]: {strategy} not measured: {got['error']}")
+                continue
+            if (
+                strategy not in multi.report.peaks
+            ):  # e.g. pp_dp on a model it does not predict (notes say why)
                 continue
             measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
             rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
@@ -287,7 +296,9 @@ def print_verification(rows: list[dict], console: Any) -> None:
 def print_cluster(cluster: dict[str, Any], console: Any) -> None:
     """One line on what the verifying launch measured of this machine's collectives and strategies."""
     costs = "; ".join(
-        f"{name} {c['fixed_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per FSDP group"
+        f"{name} {c['slot_s'] * 1e3:.2f} ms per pipeline slot"
+        if name == "pp_dp"
+        else f"{name} {c['fixed_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per FSDP group"
         f" + {c['tensor_s'] * 1e6:.0f} us per parameter tensor"
         for name, c in cluster["strategy_costs"].items()
     )

@@ -21,7 +21,7 @@ from torch import nn
 
 from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
 
-LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks")
+LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "pp_dp")
 CALIBRATION_REPEATS = 9
 
 
@@ -145,6 +145,14 @@ def calibrate(
     from lit_parallel.parallel.calibration import SHAPES, calibration_input, calibration_model
 
     out = {}
+    if strategy == "pp_dp":  # the reference shape only: its cost is per pipeline slot
+        from lit_parallel.advise_pipeline import measure_pipeline_step
+
+        torch.manual_seed(0)
+        _, out["reference"] = measure_pipeline_step(
+            calibration_model("reference"), calibration_input(), devices=devices, repeats=repeats
+        )
+        return out
     for name in SHAPES:
         torch.manual_seed(0)
         _, out[name] = measure_step(
@@ -203,6 +211,12 @@ def worker(args: argparse.Namespace) -> int:
         shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
         given = torch.empty((args.batch_size or 1, *shape), device="meta") if shape else None
         ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len, given=given)
+        if name == "pp_dp":  # devices stages, data parallel 1 (a model it cannot cut is reported, not fatal)
+            from lit_parallel.advise_pipeline import pipeline_worker_entry
+
+            inputs = real_inputs(ex.args, vocabulary(model))
+            results[name] = pipeline_worker_entry(model, inputs, devices=args.devices, repeats=args.repeats)
+            continue
         try:
             peak, step_s = measure_step(
                 model, real_inputs(ex.args, vocabulary(model)), strategy=strategy_object(name),

@@ -109,3 +109,14 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
     bad.write_text(json.dumps({"busbw_gbps": 1.0}))
     assert main([*args, "--cluster", str(bad)]) != 0
     assert "no measured_cluster with busbw_gbps, latency_s, strategy_costs in it" in capsys.readouterr().err
+
+
+def test_the_pipeline_cost_is_spread_over_the_slots_of_its_calibration_run():
+    from lit_parallel.parallel.calibration import BATCH, calibration_slots, fit_pipeline_cost
+
+    # 2 stages: a batch of 8 splits into 8 micro-batches (4 x stages), so 8 + 2 - 1 = 9 slots
+    assert BATCH == 8 and calibration_slots(2) == 9
+    # 4 stages: 16 micro-batches do not divide 8, 8 do: 8 + 4 - 1 = 11 slots
+    assert calibration_slots(4) == 11
+    cost = fit_pipeline_cost(one_process_s=2e-3, pipeline_s=20e-3, slots=9)
+    assert cost.slot_s == pytest.approx(2e-3) and cost.fixed_s == 0.0

@@ -17,6 +17,8 @@ So ``per tensor = (wide - thin) / 36`` and ``per group = (thin - reference - 8 x
 model with ``G`` groups and ``T`` parameter tensors gets ``fixed + (G - 3) x per group + (T - 6) x per
 tensor`` on top of its one-process step, plus the bytes it sends over the measured bus bandwidth
 (:func:`lit_parallel.parallel.step_time.comm_seconds`). DDP has no groups: its per-group cost is 0.
+``pp_dp`` runs the ``reference`` shape only: what it adds, divided by that run's pipeline slots
+(micro-batches + stages - 1), is a cost per slot (:func:`fit_pipeline_cost`).
 """
 
 from __future__ import annotations
@@ -33,20 +35,30 @@ FEATURES = 4
 BATCH = 8
 
 
+class Residual(nn.Module):
+    """``x + layers(x)``: one calibration block (``layers`` Linears in an ``nn.Sequential``)."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(FEATURES, FEATURES) for _ in range(layers)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layers(x)
+
+
 class CalibrationNet(nn.Module):
-    """``Linear(4, 4)`` then ``blocks`` residual blocks, each an ``nn.Sequential`` of ``layers`` Linears."""
+    """``Linear(4, 4)`` then ``blocks`` :class:`Residual` blocks of ``layers`` Linears each (a chain of
+    blocks, so ``pp_dp`` can cut it into stages as well)."""
 
     def __init__(self, blocks: int, layers: int) -> None:
         super().__init__()
         self.inp = nn.Linear(FEATURES, FEATURES)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(*(nn.Linear(FEATURES, FEATURES) for _ in range(layers))) for _ in range(blocks)
-        )
+        self.blocks = nn.ModuleList(Residual(layers) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
-            h = h + block(h)
+            h = block(h)
         return h
 
 
@@ -75,6 +87,7 @@ class StrategyCost:
     tensor_s: float
     reference_groups: int
     reference_tensors: int
+    slot_s: float = 0.0  # pp_dp: per pipeline slot (micro-batch or bubble), the schedule's bookkeeping
 
     @classmethod
     def fit(cls, extra_s: dict[str, float], *, grouped: bool) -> StrategyCost:
@@ -109,6 +122,20 @@ def fit_costs(
         extra = {name: seconds[name] - one_process_s[name] for name in SHAPES}
         out[strategy] = StrategyCost.fit(extra, grouped=strategy != "ddp_tuned")
     return out
+
+
+def calibration_slots(stages: int) -> int:
+    """Pipeline slots (micro-batches + stages - 1) of the ``reference`` shape's pp_dp run on ``stages``."""
+    from lit_parallel.parallel.peak_pipeline import pipeline_microbatches
+
+    return (pipeline_microbatches(BATCH, stages) or stages) + stages - 1
+
+
+def fit_pipeline_cost(one_process_s: float, pipeline_s: float, slots: int) -> StrategyCost:
+    """``pp_dp``'s cost: the seconds it added to the ``reference`` shape, spread over the ``slots``
+    (micro-batches + stages - 1) of that run's schedule; a model pays it per slot of its own schedule."""
+    groups, tensors = counts("reference")
+    return StrategyCost(0.0, 0.0, 0.0, groups, tensors, slot_s=max(0.0, pipeline_s - one_process_s) / slots)
 
 
 def load_cluster(path: str) -> dict[str, Any]:
