@@ -29,6 +29,7 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +76,8 @@ class Peak:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The counts the strategy terms need, in elements."""
+    """The counts the strategy terms need, in elements; ``*_shapes``: ``(dim 0, elements per row)`` of each
+    parameter of every block (module order) and of the root (the parameters outside blocks)."""
 
     params: int
     trainable: int
@@ -83,11 +85,14 @@ class ModelShape:
     largest_param: int
     block_params: int
     largest_block: int
+    block_shapes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    root_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, module: nn.Module, blocks: list[nn.Module]) -> ModelShape:
         params = list(dict.fromkeys(module.parameters()))
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
         return cls(
             params=sum(p.numel() for p in params),
             trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -95,7 +100,20 @@ class ModelShape:
             largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
             block_params=sum(sizes),
             largest_block=max(sizes, default=0),
+            block_shapes=tuple(_rows(b.parameters()) for b in blocks),
+            root_shapes=_rows([p for p in params if id(p) not in in_blocks]),
         )
+
+
+def _rows(params: Any) -> tuple[tuple[int, int], ...]:
+    return tuple((p.shape[0], math.prod(p.shape[1:])) if p.dim() else (1, 1) for p in params)
+
+
+def padded(shapes: tuple[tuple[int, int], ...], shard: int) -> int:
+    """Elements FSDP2 gathers for these parameters over ``shard`` ranks: dim 0 of each parameter padded to
+    a multiple of ``shard`` (``_get_dim0_padded_size``); also the size of their flat all-gather output
+    and reduce-scatter input."""
+    return sum(-(-rows // shard) * shard * per_row for rows, per_row in shapes)
 
 
 @dataclass
@@ -151,12 +169,10 @@ def _strategy_peak(
 
     block_c = shape.largest_block * c / tp
     root_c = (shape.params - shape.block_params) * c
+    if strategy in ("zero2", "fsdp_blocks", "hsdp"):
+        return _fsdp_peak(strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"])
     gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
-    # FSDP2's flat all-gather buffers and padding are not counted: on models whose blocks are small next to
-    # their activations (the usual case) they are within the error; on toy models they are not (docs)
-    if strategy == "zero2":  # everything stays gathered after forward; one block's full gradient in backward
-        gathered = {"fw": (shape.params * c, 0.0), "bw": (shape.params * c, block_c)}
-    elif sharded:  # root kept gathered, one block in forward; in backward the next is prefetched too
+    if sharded:  # tp_dp: root kept gathered, one block in forward; in backward the next is prefetched too
         gathered = {"fw": (root_c + block_c, 0.0), "bw": (root_c + block_c, block_c)}
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     grads_bw = g if strategy == "ddp_tuned" else g * fraction  # DDP's buckets hold every gradient all step
@@ -167,6 +183,51 @@ def _strategy_peak(
              split(bw["temporaries"]) + gathered["bw"][1], "backward"),
         Peak(strategy, p, g, o, 0.0, opt_bytes / (shard if sharded else 1), "optimizer step"),
     ]  # fmt: skip
+    return max(moments, key=lambda m: m.total)
+
+
+def _fsdp_peak(
+    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    gloo: bool,
+) -> Peak:  # fmt: skip
+    """FSDP2's moments (module docstring): every block's gather in forward, the end of forward, backward's
+    reduce-scatter of the largest block, the optimizer step."""
+    every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
+    ratio = padded(every, shard) / shape.params if shape.params else 1.0
+    p, g, o = state[0] * ratio, state[1] * ratio, state[2]  # shards are padded; AdamW's state is not
+    root = padded(shape.root_shapes, shard) * c
+    blocks = [padded(b, shard) * c for b in shape.block_shapes]
+    keep = strategy == "zero2"  # gathered parameters stay until backward ends
+    moments = []
+    if len(sim.block_starts) == len(blocks):  # block k's copy-out: its flat buffer and the previous one
+        for k, (act, tmp) in enumerate(sim.block_starts):
+            gathered = root + (sum(blocks[: k + 1]) if keep else blocks[k])
+            flats = blocks[k] + (blocks[k - 1] if k else root)
+            moments.append(Peak(strategy, p + gathered, g, o, act, tmp + flats, f"forward (block {k})"))
+    fw, bw = sim.forward_peak.by_category, sim.backward_peak.by_category
+    after = root + (sum(blocks) if keep else 0.0)  # gathered once every block has run
+    act, tmp = sim.model_end  # the last group's flat buffer is freed when the root's forward returns
+    moments.append(Peak(strategy, p + after, g, o, act, tmp + (blocks[-1] if blocks else root), "forward (end)"))
+    moments.append(Peak(strategy, p + after, g, o, fw["activations"], fw["temporaries"], "forward"))
+    # backward, as block k's gradients are done: its unsharded gradient and gathered parameters, which are
+    # freed (resharded) before its reduce-scatter input, output (the new sharded gradient) and, on gloo, the
+    # collective's copy of the input exist; the blocks after it hold sharded gradients, the root's so far
+    # are unsharded; ZeRO-2 keeps the blocks before k gathered, ZeRO-3 has block k-1's all-gather prefetched
+    full = [sum(r * n for r, n in b) for b in shape.block_shapes]
+    if len(sim.block_grads_done) == len(blocks):
+        for k, (act, tmp, grads) in enumerate(sim.block_grads_done):
+            unsharded = full[k] * c
+            reduce = max(unsharded + blocks[k], blocks[k] * (1 + 1 / shard + (1 if gloo else 0)))  # see above
+            root_grads = max(0.0, grads - sum(full[k:]) * c)
+            sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
+            gathered = root + (sum(blocks[:k]) if keep else (blocks[k - 1] if k else 0.0))
+            moments.append(Peak(strategy, p + gathered, sharded + root_grads, o, act, tmp + reduce,
+                                f"backward (block {k})"))  # fmt: skip
+    bw = sim.backward_peak.by_category  # the rest of backward: root gradients still unsharded
+    fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
+    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g * fraction, o,
+                        bw["activations"], bw["temporaries"], "backward"))  # fmt: skip
+    moments.append(Peak(strategy, p, g, o, 0.0, opt_bytes / shard, "optimizer step"))
     return max(moments, key=lambda m: m.total)
 
 
@@ -220,6 +281,7 @@ def predict_peaks(
             "share": report.block_activation_share,
             "tp": devices if strategy == "tp_dp" else 1,
             "shard": devices if strategy == "hsdp" else world,
+            "gloo": device_type == "cpu",  # gloo's reduce-scatter copies its input
         }
         args = {"c": c, "opt_bytes": opt_bytes, "extra": extra}
         report.peaks[strategy] = _strategy_peak(strategy, sim, rows, shape, **args)

@@ -84,6 +84,11 @@ class StepSimulation:
             and ``temporaries`` (outputs not saved, the loss's intermediate results, ...).
         backward_peak: the highest point of backward: ``grads`` (this step's gradients so far),
             ``activations`` not yet freed, ``temporaries`` (gradients flowing between layers).
+        block_starts: ``(activations, temporaries)`` live as each block's forward starts, in call order:
+            the moments FSDP gathers that block's parameters.
+        block_grads_done: per block (module order), ``(activations, temporaries, gradients)`` live when
+            its last parameter gradient is computed: the moment FSDP reduce-scatters that block.
+        model_end: ``(activations, temporaries)`` live when the model's forward returns (before the loss).
         saved_bytes: everything saved for backward in the forward (the activations of one micro-batch).
         grad_bytes: all gradients at the end of backward (in the simulated dtype).
         batch_size: the micro-batch.
@@ -92,6 +97,9 @@ class StepSimulation:
 
     forward_peak: MemoryPeak
     backward_peak: MemoryPeak
+    block_starts: tuple[tuple[float, float], ...]
+    model_end: tuple[float, float]
+    block_grads_done: tuple[tuple[float, float, float], ...]
     saved_bytes: float
     grad_bytes: float
     batch_size: int
@@ -130,8 +138,22 @@ def simulate_step(
     tracker = LiveMemory(list(meta.parameters()), exact=False)
     # fused attention is simulated without checkpointing only: recomputation must see the same ops
     attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
+    starts: list[tuple[float, float]] = []
+
+    def at_start(module: nn.Module, inputs: Any) -> None:
+        now = tracker.snapshot().by_category
+        starts.append((float(now["activations"]), float(now["temporaries"])))
+
+    handles = [b.register_forward_pre_hook(at_start) for b in blocks]
     with attention, tracker:
-        loss = default_loss(target(*args), args)
+        output = target(*args)
+        for h in handles:
+            h.remove()
+        at_start(target, ())
+        model_end = starts.pop()
+        loss = default_loss(output, args)
+        del output
+        done = _watch_block_grads(blocks, tracker)
         forward_peak = tracker.peak_so_far()
         saved = tracker.snapshot().by_category["activations"]
         tracker.reset_peak()
@@ -141,8 +163,29 @@ def simulate_step(
     return StepSimulation(
         forward_peak=forward_peak,
         backward_peak=tracker.peak,
+        block_starts=tuple(starts),
+        model_end=model_end,
+        block_grads_done=tuple(done[i] for i in sorted(done)),
         saved_bytes=float(saved),
         grad_bytes=float(grads),
         batch_size=example.batch_size,
         input_description=example.description,
     )
+
+
+def _watch_block_grads(blocks: Sequence[nn.Module], tracker: LiveMemory) -> dict[int, tuple[float, float, float]]:
+    """Snapshots (filled during backward) of what is live when each block's last gradient arrives."""
+    done: dict[int, tuple[float, float, float]] = {}
+    for i, block in enumerate(blocks):
+        params = [p for p in block.parameters() if p.requires_grad]
+        left = [len(params)]
+
+        def hook(_: torch.Tensor, i: int = i, left: list[int] = left) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                now = tracker.snapshot().by_category
+                done[i] = (float(now["activations"]), float(now["temporaries"]), float(now["grads"]))
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+    return done
