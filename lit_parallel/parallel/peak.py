@@ -199,16 +199,21 @@ def _fsdp_peak(
     blocks = [padded(b, shard) * c for b in shape.block_shapes]
     keep = strategy == "zero2"  # gathered parameters stay until backward ends
     moments = []
-    if len(sim.block_starts) == len(blocks):  # block k's copy-out: its flat buffer and the previous one
+    if len(sim.block_starts) == len(blocks) == len(sim.block_inside) == len(sim.block_after):
         for k, (act, tmp) in enumerate(sim.block_starts):
             gathered = root + (sum(blocks[: k + 1]) if keep else blocks[k])
+            after = root + (sum(blocks[: k + 1]) if keep else 0.0)
+            # the copy-out of block k: its flat all-gather output and the previous group's coexist; block
+            # k's flat output is kept until the next group's copy-out (or the root's forward returns)
             flats = blocks[k] + (blocks[k - 1] if k else root)
-            moments.append(Peak(strategy, p + gathered, g, o, act, tmp + flats, f"forward (block {k})"))
-    fw, bw = sim.forward_peak.by_category, sim.backward_peak.by_category
-    after = root + (sum(blocks) if keep else 0.0)  # gathered once every block has run
-    act, tmp = sim.model_end  # the last group's flat buffer is freed when the root's forward returns
-    moments.append(Peak(strategy, p + after, g, o, act, tmp + (blocks[-1] if blocks else root), "forward (end)"))
-    moments.append(Peak(strategy, p + after, g, o, fw["activations"], fw["temporaries"], "forward"))
+            moments.append(Peak(strategy, p + gathered, g, o, act, tmp + flats, f"forward (block {k} gathered)"))
+            act, tmp = sim.block_inside[k]
+            moments.append(Peak(strategy, p + gathered, g, o, act, tmp + blocks[k], f"forward (block {k})"))
+            act, tmp = sim.block_after[k]
+            moments.append(Peak(strategy, p + after, g, o, act, tmp + blocks[k], f"forward (after block {k})"))
+    fw = sim.forward_peak.by_category  # the loss: every flat buffer freed
+    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g, o, fw["activations"],
+                        fw["temporaries"], "forward"))  # fmt: skip
     # backward, as block k's gradients are done: its unsharded gradient and gathered parameters, which are
     # freed (resharded) before its reduce-scatter input, output (the new sharded gradient) and, on gloo, the
     # collective's copy of the input exist; the blocks after it hold sharded gradients, the root's so far
