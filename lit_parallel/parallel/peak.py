@@ -17,12 +17,26 @@ while last step's gradients still exist, ``zero_grad`` comes after it, then back
 What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype):
 
 * ``ddp_tuned``: gradients live in DDP's buckets (``gradient_as_bucket_view``) for the whole step.
-* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node): the state is sharded; the root's
-  parameters outside blocks stay gathered from forward to the end of backward (counted as parameters),
-  with one gathered block; backward adds the prefetched next block. FSDP2's flat all-gather buffers and
-  padding are not counted.
-* ZeRO-2 (``fsdp_blocks`` with ``reshard_after_forward=False``): the state is sharded as in ZeRO-3, and
-  every parameter stays gathered after forward; backward adds one block's unsharded gradient.
+* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node) and ZeRO-2 (``fsdp_blocks`` with
+  ``reshard_after_forward=False``), as FSDP2 in torch 2.13 does it (``_fsdp_collectives.py``,
+  ``_fsdp_param_group.py``). Every FSDP group (each block, and the root: the parameters outside blocks)
+  is gathered into unsharded parameters of its padded size ``P`` (dim 0 of each parameter padded to a
+  multiple of ``N``); shards, and the sharded gradients, are ``P / N`` each. Forward, per block ``k``
+  (sizes from the meta simulation at that block's start, inside it and after it):
+
+  - the copy-out of block ``k``: the flat all-gather output of block ``k`` (``P_k``) and of the group
+    before it (kept until this copy-out returns) next to the gathered parameters;
+  - inside and after block ``k``: block ``k``'s flat output (kept until the next group's copy-out or the
+    root's forward returns);
+  - gathered parameters: the root all the time, block ``k`` while it runs; ZeRO-2 keeps every block
+    gathered until its gradients are reduce-scattered.
+
+  The loss runs after every flat output is freed. Backward, as block ``k``'s gradients are done: its
+  unsharded gradient next to its gathered parameters; then (both freed) the reduce-scatter input
+  (``P_k``), its output (the new sharded gradient, ``P_k / N``) and, on gloo (CPU), the collective's
+  copy of the input (``P_k``); blocks after ``k`` hold sharded gradients, the root's gradients stay
+  unsharded until backward ends; ZeRO-3 also holds block ``k-1``'s prefetched all-gather output, ZeRO-2
+  the blocks before ``k`` still gathered.
 * ``tp_dp``: activations and temporaries inside blocks divided by the tensor-parallel size, the gathered
   block divided too. Pipeline parallelism (``pp_dp``) is not predicted yet.
 """
@@ -63,7 +77,8 @@ class Peak:
     optimizer: float
     activations: float
     temporaries: float
-    phase: str
+    phase: str  # "forward", "backward" or "optimizer step"
+    moment: str = ""  # which moment of that phase (FSDP: which block's gather or reduce-scatter)
 
     @property
     def total(self) -> float:
@@ -71,7 +86,11 @@ class Peak:
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("params", "grads", "optimizer", "activations", "temporaries", "total")
-        return {"phase": self.phase, **{f"{k}_bytes": float(getattr(self, k)) for k in keys}}
+        return {
+            "phase": self.phase,
+            "moment": self.moment or self.phase,
+            **{f"{k}_bytes": float(getattr(self, k)) for k in keys},
+        }
 
 
 @dataclass(frozen=True)
@@ -170,7 +189,9 @@ def _strategy_peak(
     block_c = shape.largest_block * c / tp
     root_c = (shape.params - shape.block_params) * c
     if strategy in ("zero2", "fsdp_blocks", "hsdp"):
-        return _fsdp_peak(strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"])
+        return _fsdp_peak(
+            strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"]
+        )
     gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
     if sharded:  # tp_dp: root kept gathered, one block in forward; in backward the next is prefetched too
         gathered = {"fw": (root_c + block_c, 0.0), "bw": (root_c + block_c, block_c)}
@@ -206,11 +227,17 @@ def _fsdp_peak(
             # the copy-out of block k: its flat all-gather output and the previous group's coexist; block
             # k's flat output is kept until the next group's copy-out (or the root's forward returns)
             flats = blocks[k] + (blocks[k - 1] if k else root)
-            moments.append(Peak(strategy, p + gathered, g, o, act, tmp + flats, f"forward (block {k} gathered)"))
+            moments.append(
+                Peak(strategy, p + gathered, g, o, act, tmp + flats, "forward", f"block {k} gathered")
+            )
             act, tmp = sim.block_inside[k]
-            moments.append(Peak(strategy, p + gathered, g, o, act, tmp + blocks[k], f"forward (block {k})"))
+            moments.append(
+                Peak(strategy, p + gathered, g, o, act, tmp + blocks[k], "forward", f"inside block {k}")
+            )
             act, tmp = sim.block_after[k]
-            moments.append(Peak(strategy, p + after, g, o, act, tmp + blocks[k], f"forward (after block {k})"))
+            moments.append(
+                Peak(strategy, p + after, g, o, act, tmp + blocks[k], "forward", f"after block {k}")
+            )
     fw = sim.forward_peak.by_category  # the loss: every flat buffer freed
     moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g, o, fw["activations"],
                         fw["temporaries"], "forward"))  # fmt: skip
@@ -227,7 +254,7 @@ def _fsdp_peak(
             sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
             gathered = root + (sum(blocks[:k]) if keep else (blocks[k - 1] if k else 0.0))
             moments.append(Peak(strategy, p + gathered, sharded + root_grads, o, act, tmp + reduce,
-                                f"backward (block {k})"))  # fmt: skip
+                                "backward", f"block {k} reduce-scattered"))  # fmt: skip
     bw = sim.backward_peak.by_category  # the rest of backward: root gradients still unsharded
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g * fraction, o,

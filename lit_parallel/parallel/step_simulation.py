@@ -210,7 +210,9 @@ class _Segments(LiveMemory):
         return float(now["activations"]), float(max(0, high - now["activations"]))
 
 
-def _watch_block_grads(blocks: Sequence[nn.Module], tracker: LiveMemory) -> dict[int, tuple[float, float, float]]:
+def _watch_block_grads(
+    blocks: Sequence[nn.Module], tracker: LiveMemory
+) -> dict[int, tuple[float, float, float]]:
     """Snapshots (filled during backward) of what is live when each block's last gradient arrives."""
     done: dict[int, tuple[float, float, float]] = {}
     for i, block in enumerate(blocks):
