@@ -37,7 +37,7 @@ def test_mixed_precision_adam_counts_2_plus_2_plus_12_bytes_divided_by_what_each
     rows = _rows(advise(1e9, devices=8, nodes=2, memory_gb=80, precision="bf16-mixed"))
     assert rows["DDP"] == pytest.approx((2.0, 2.0, 12.0))  # 16 GB: nothing sharded
     assert rows["ZeRO-1"] == pytest.approx((2.0, 2.0, 12.0 / 16))  # 4.75 GB
-    assert rows["ZeRO-2"] == pytest.approx((2.0, 2.0 / 16, 12.0 / 16))  # 2.875 GB
+    assert rows["ZeRO-2"] == pytest.approx((2.0 / 16 + 2.0, 2.0 / 16, 12.0 / 16))  # 3 GB: shard + full copy
     assert rows["FSDP/ZeRO-3"] == pytest.approx((2.0 / 16, 2.0 / 16, 12.0 / 16))  # 1 GB
     assert rows["HSDP"] == pytest.approx((2.0 / 8, 2.0 / 8, 12.0 / 8))  # 2 GB: sharded inside a node of 8
     assert rows["TP+DP"] == pytest.approx((2.0 / 16, 2.0 / 16, 12.0 / 16))  # tp 8 x fsdp 2
@@ -48,13 +48,28 @@ def test_fp32_adam_counts_4_plus_4_plus_8_bytes():
     rows = _rows(advise(7e9, devices=8, memory_gb=80, precision="32-true"))
     assert rows["DDP"] == pytest.approx((28.0, 28.0, 56.0))  # 112 GB
     assert rows["ZeRO-1"] == pytest.approx((28.0, 28.0, 7.0))  # 63 GB
-    assert rows["ZeRO-2"] == pytest.approx((28.0, 3.5, 7.0))  # 38.5 GB
+    assert rows["ZeRO-2"] == pytest.approx((3.5 + 28.0, 3.5, 7.0))  # 42 GB
     assert rows["FSDP/ZeRO-3"] == pytest.approx((3.5, 3.5, 7.0))  # 14 GB
     assert rows["HSDP"] == pytest.approx((3.5, 3.5, 7.0))  # one node: HSDP shards over all 8
     totals = {
         r.name: r.state_bytes / GB for r in advise(7e9, devices=8, memory_gb=80, precision="32-true").rows
     }
-    assert totals["ZeRO-2"] == pytest.approx(38.5) and totals["DDP"] == pytest.approx(112.0)
+    assert totals["ZeRO-2"] == pytest.approx(42.0) and totals["DDP"] == pytest.approx(112.0)
+
+
+def test_zero2_row_is_what_fsdp_blocks_without_resharding_holds_in_both_tables():
+    """The state table's ZeRO-2 row and the peak table's ZeRO-2 are one layout: FSDP2 shards of everything,
+    plus every parameter gathered in full from forward to backward (not DeepSpeed's full parameters)."""
+    from lit_parallel.parallel.memory_table import ZERO2, memory_rows
+    from lit_parallel.parallel.peak import LABELS
+
+    rows = {r[0]: r for r in memory_rows(1000, devices=4, precision="32-true")}
+    name, strategy, _, p, g, o = rows["ZeRO-2"]
+    # 1000 fp32 parameters over 4 ranks: a 250-element shard + the 1000-element gathered copy, 4 bytes each;
+    # gradients 250 x 4; AdamW's two fp32 states 2 x 250 x 4
+    assert (p, g, o) == (250 * 4 + 1000 * 4, 250 * 4, 2 * 250 * 4)
+    assert strategy == ZERO2 == "fsdp_blocks(reshard_after_forward=False)"
+    assert "fsdp_blocks" in LABELS["zero2"] and "reshard_after_forward=False" in LABELS["zero2"]
 
 
 def test_rule_1_state_fits_one_device_gives_ddp_tuned():
@@ -211,10 +226,11 @@ def test_advise_command_prints_the_table_and_writes_the_same_figures_as_json(tmp
     for label in ("DDP", "ZeRO-1", "ZeRO-2", "FSDP/ZeRO-3", "HSDP", "TP+DP"):
         assert label in res.stdout
     assert "2 + 2 + 12 = 16 bytes per parameter" in res.stdout
+    assert "ZeRO-2 is fsdp_blocks(reshard_after_forward=False)" in res.stdout
     data = json.loads(out.read_text())
     state = {r["name"]: r["state_gb"] for r in data["rows"]}
     assert state == pytest.approx(
-        {"DDP": 16.0, "ZeRO-1": 4.75, "ZeRO-2": 2.875, "FSDP/ZeRO-3": 1.0, "HSDP": 2.0, "TP+DP": 1.0}
+        {"DDP": 16.0, "ZeRO-1": 4.75, "ZeRO-2": 3.0, "FSDP/ZeRO-3": 1.0, "HSDP": 2.0, "TP+DP": 1.0}
     )
     assert data["recommendation"] == "ddp_tuned" and data["rule"] == 1
 
