@@ -159,6 +159,8 @@ def print_prediction(pred: Prediction, console: Any) -> None:
                       + (f"; collectives at {pred.busbw_gbps:g} GB/s, {pred.latency_s * 1e6:.0f} us each"
                          if pred.busbw_gbps else ""))  # fmt: skip
     console.print("pp_dp (pipeline parallelism) is not predicted yet.")
+    if r.checkpointing_note:
+        console.print(f"[yellow]note[/yellow]: {r.checkpointing_note}")
     for note in pred.notes:
         console.print(f"[yellow]note[/yellow]: {note}")
 

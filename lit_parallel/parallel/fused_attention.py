@@ -5,7 +5,8 @@ and one log-sum-exp per row for backward. On the meta device it falls back to th
 saves the full attention matrix (batch x heads x seq x seq): a simulated step would then predict far
 more activation memory than a real one uses. :func:`fused_attention_on_meta` routes meta calls that a
 fused kernel would take (no dropout, 4-D inputs, no grouped-query expansion) to the fused op's meta
-implementation instead.
+implementation instead; a mask that needs a gradient (T5's relative position bias) keeps the math path,
+as it does on a real device.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     meta = all(isinstance(t, torch.Tensor) and t.is_meta and t.dim() == 4 for t in (q, k, v))
     if not meta or dropout_p or enable_gqa or k.shape[1] != q.shape[1]:
         return None
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
+        return None  # a learned mask (T5's position bias): the fused kernel has no gradient for it, math runs
     from lit_parallel._compat import flash_attention_for_cpu
 
     return flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
