@@ -19,10 +19,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
+_ORIGINAL = F.scaled_dot_product_attention
+
+
 class _FusedAttention(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention or func is _ORIGINAL:
             out = _fused(*args, **kwargs)
             if out is not None:
                 return out
@@ -40,8 +43,26 @@ def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     return flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
+def _sdpa(original):
+    def sdpa(*args, **kwargs):
+        out = _fused(*args, **kwargs)
+        return original(*args, **kwargs) if out is None else out
+
+    return sdpa
+
+
 @contextmanager
 def fused_attention_on_meta() -> Iterator[None]:
-    """While active, meta-device ``scaled_dot_product_attention`` calls save what the fused kernel saves."""
-    with _FusedAttention():
-        yield
+    """While active, meta-device ``scaled_dot_product_attention`` calls save what the fused kernel saves.
+
+    A torch-function mode catches the calls; so does ``torch.nn.functional``'s own name for the function,
+    which ``multi_head_attention_forward`` (``nn.MultiheadAttention``) calls while the mode is handling
+    that outer function and so cannot see it.
+    """
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _sdpa(original)
+    try:
+        with _FusedAttention():
+            yield
+    finally:
+        F.scaled_dot_product_attention = original
