@@ -296,7 +296,11 @@ def predict_peaks(
         for ac in (False, True) if block_names else (False,):
             try:
                 sims[(prec, ac)] = simulate_step(
-                    module, dtype=_compute_dtype(prec), block_names=block_names, activation_checkpointing=ac, **kw
+                    module,
+                    dtype=_compute_dtype(prec),
+                    block_names=block_names,
+                    activation_checkpointing=ac,
+                    **kw,
                 )
             except RuntimeError as err:  # checkpointing a block the model cannot recompute (T5 on meta)
                 if not ac:
