@@ -9,8 +9,8 @@ forward on the meta device are meta tensors: shapes only, no memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-
 _ORIGINAL = F.scaled_dot_product_attention
 
 
