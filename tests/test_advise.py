@@ -193,6 +193,33 @@ def test_activation_estimate_counts_what_autograd_saves_once_and_not_the_paramet
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_token_models_get_ids_for_every_input_their_forward_needs():
+    from types import SimpleNamespace
+
+    from lit_parallel.parallel.example_inputs import meta_example_input
+
+    class SourceTarget(nn.Module):  # two required inputs, one optional after them
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+
+        def forward(self, src, tgt, mask=None):
+            return self.embed(src) + self.embed(tgt)
+
+    class EncoderDecoder(SourceTarget):  # Hugging Face style: everything optional, the config says more
+        config = SimpleNamespace(is_encoder_decoder=True)
+
+        def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, labels=None):
+            return self.embed(input_ids) + self.embed(decoder_input_ids)
+
+    ex = meta_example_input(SourceTarget(), batch_size=3, seq_len=5)
+    assert [tuple(a.shape) for a in ex.args] == [(3, 5), (3, 5)] and ex.description == "tokens (3, 5) x2"
+    ex = meta_example_input(EncoderDecoder(), batch_size=3, seq_len=5)
+    assert len(ex.args) == 3 and ex.args[1] is None  # attention_mask keeps its default, passed by position
+    assert tuple(ex.args[0].shape) == tuple(ex.args[2].shape) == (3, 5)
+    assert all(a.dtype == torch.long for a in (ex.args[0], ex.args[2]))
+
+
 def test_a_model_gives_parameters_blocks_and_activations():
     s = summarize_model("tests.models:Llama", precision="32-true", batch_size=2)
     llama = __import__("tests.models", fromlist=["Llama"]).Llama()
@@ -409,7 +436,10 @@ SMALL_MODELS = [
     ("llama", lambda: __import__("tests.models", fromlist=["Llama"]).Llama(), None),
     ("residual_mlp", lambda: __import__("tests.models", fromlist=["ResidualMLP"]).ResidualMLP(), (16,)),
     ("cnn", lambda: __import__("tests.models", fromlist=["ConvNet"]).ConvNet(), (3, 8, 8)),
+    # two token inputs (forward(src, tgt)) and nn.MultiheadAttention's fused attention
+    ("torch_decoder", lambda: __import__("tests.conformance_models", fromlist=["x"]).TorchDecoderLM(), None),
 ]
+SEQ_LEN = {"torch_decoder": 8}  # no configured sequence length
 
 
 @pytest.mark.timeout(300)
@@ -429,11 +459,12 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process
             model,
             precision="32-true",
             batch_size=4,
+            seq_len=SEQ_LEN.get(name),
             example_inputs=given,
             block_names=names,
             device_type="cpu",
         ).peaks["one_process"]
-        ex = meta_example_input(model, batch_size=4, given=given)
+        ex = meta_example_input(model, batch_size=4, seq_len=SEQ_LEN.get(name), given=given)
         measured, _ = measure_step(model, real_inputs(ex.args, vocabulary(model)), repeats=1)
         errors[name] = abs(predicted.total - measured.total) / measured.total
         # the model state is exact: AdamW's two states and its step counters, the parameters, the gradients
