@@ -27,11 +27,12 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
   - the copy-out of block ``k``: the flat all-gather output of block ``k`` (``P_k``) and of the group
     before it (kept until this copy-out returns) next to the gathered parameters;
   - inside and after block ``k``: block ``k``'s flat output (kept until the next group's copy-out or the
-    root's forward returns);
+    root's forward returns: the root is the LightningModule and its forward ``training_step``, so the
+    last block's flat output is still there when the loss is computed);
   - gathered parameters: the root all the time, block ``k`` while it runs; ZeRO-2 keeps every block
     gathered until its gradients are reduce-scattered.
 
-  The loss runs after every flat output is freed. Backward, as block ``k``'s gradients are done: its
+  Backward, as block ``k``'s gradients are done: its
   unsharded gradient next to its gathered parameters; then (both freed) the reduce-scatter input
   (``P_k``), its output (the new sharded gradient, ``P_k / N``) and, on gloo (CPU), the collective's
   copy of the input (``P_k``); blocks after ``k`` hold sharded gradients, the root's gradients stay
@@ -239,9 +240,11 @@ def _fsdp_peak(
             moments.append(
                 Peak(strategy, p + after, g, o, act, tmp + blocks[k], "forward", f"after block {k}")
             )
-    fw = sim.forward_peak.by_category  # the loss: every flat buffer freed
+    # the loss: the root's forward is the LightningModule's training_step (a registered FSDP forward
+    # method), so the last group's flat output lives until the loss is computed
+    fw = sim.forward_peak.by_category
     moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g, o, fw["activations"],
-                        fw["temporaries"], "forward"))  # fmt: skip
+                        fw["temporaries"] + (blocks[-1] if blocks else root), "forward", "loss"))  # fmt: skip
     # backward, as block k's gradients are done: its unsharded gradient and gathered parameters, which are
     # freed (resharded) before its reduce-scatter input, output (the new sharded gradient) and, on gloo, the
     # collective's copy of the input exist; the blocks after it hold sharded gradients, the root's so far
