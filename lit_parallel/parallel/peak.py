@@ -213,8 +213,8 @@ def _fsdp_peak(
     strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
     gloo: bool,
 ) -> Peak:  # fmt: skip
-    """FSDP2's moments (module docstring): every block's gather in forward, the end of forward, backward's
-    reduce-scatter of the largest block, the optimizer step."""
+    """FSDP2's moments (module docstring): each block's gather, inside and after it in forward, the loss,
+    each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
     every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
     ratio = padded(every, shard) / shape.params if shape.params else 1.0
     p, g, o = state[0] * ratio, state[1] * ratio, state[2]  # shards are padded; AdamW's state is not
