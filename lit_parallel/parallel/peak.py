@@ -259,10 +259,13 @@ def _fsdp_peak(
             gathered = root + (sum(blocks[:k]) if keep else (blocks[k - 1] if k else 0.0))
             moments.append(Peak(strategy, p + gathered, sharded + root_grads, o, act, tmp + reduce,
                                 "backward", f"block {k} reduce-scattered"))  # fmt: skip
-    bw = sim.backward_peak.by_category  # the rest of backward: root gradients still unsharded
+    # the rest of backward (its highest point may come before any block is done): ZeRO-3 has a block
+    # gathered and the next one's all-gather output prefetched
+    bw = sim.backward_peak.by_category
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
-    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g * fraction, o,
-                        bw["activations"], bw["temporaries"], "backward"))  # fmt: skip
+    largest = max(blocks, default=0.0)
+    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else largest), g * fraction, o,
+                        bw["activations"], bw["temporaries"] + (0.0 if keep else largest), "backward"))  # fmt: skip
     moments.append(Peak(strategy, p, g, o, 0.0, opt_bytes / shard, "optimizer step"))
     return max(moments, key=lambda m: m.total)
 
