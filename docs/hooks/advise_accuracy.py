@@ -47,7 +47,8 @@ NOTES = """
   (`lit_parallel.parallel.live_memory.LiveMemory`) during a real step: torch 2.13 has no CPU allocator
   statistics. ZeRO-2 and `fsdp_blocks` follow FSDP2 block by block: each block's gather holds its flat
   all-gather output next to the previous group's and the gathered parameters (dim 0 padded to a multiple
-  of the ranks); the block's flat output lives until the next group is gathered; in backward each
+  of the ranks); the block's flat output lives until the next group is gathered (the last one until the
+  loss is computed: the root's FSDP forward is `training_step`); in backward each
   block's unsharded gradient, reduce-scatter input and output (and gloo's copy of the input, on CPU)
   are counted at the moment that block is reduce-scattered. Models with two token inputs (T5's
   `decoder_input_ids`, `nn.TransformerDecoder`'s source and target) get ids for each. The simulation
