@@ -27,6 +27,13 @@ GB means 1e9 bytes. Mixed precision (bf16-mixed, 16-mixed) counts 2 + 2 + 12 byt
 (parameter, gradient, fp32 master weight + Adam's two states); 32-true counts 4 + 4 + 8."""
 
 
+ZERO2_NOTE = (
+    "ZeRO-2 is fsdp_blocks(reshard_after_forward=False): state sharded like ZeRO-3, and every parameter"
+    " gathered in full from forward to backward (its params column counts both; DeepSpeed's ZeRO-2 keeps"
+    " full parameters only)"
+)
+
+
 def parse_count(text: str) -> int:
     """``"7e9"``, ``"7B"``, ``"350M"``, ``"1.3b"``, ``"125_000_000"`` -> a number of parameters."""
     s = str(text).strip().replace("_", "").replace(",", "")
@@ -326,6 +333,7 @@ def print_advice(a: Advice) -> None:
         style = "bold" if r.strategy == a.recommendation else None
         table.add_row(*cells, style=style)
     console.print(table)
+    console.print(ZERO2_NOTE)
     console.print("[bold]rules[/bold] (in order; the first that holds decides):")
     for rule, holds, evidence in a.evaluations:
         mark = a.verdict(rule, holds)

@@ -182,7 +182,7 @@ def print_prediction(pred: Prediction, console: Any) -> None:
     for s, p in r.peaks.items():
         t = pred.step_s(s)["step_s"]
         table.add_row(LABELS[s], *(b(getattr(p, c)) for c in CATEGORIES), b(p.total),
-                      b(r.peaks_checkpointed[s].total), p.phase, "-" if t is None else f"{t * 1e3:.1f} ms")  # fmt: skip
+                      b(r.peaks_checkpointed[s].total), p.phase + (f" ({p.moment})" if p.moment else ""), "-" if t is None else f"{t * 1e3:.1f} ms")  # fmt: skip
     console.print(table)
     if pred.timing is not None:
         t = pred.timing
@@ -195,6 +195,8 @@ def print_prediction(pred: Prediction, console: Any) -> None:
     if r.pipeline is not None:
         console.print(f"pp_dp: {r.pipeline.layout.describe()}; the row is its largest stage (stage"
                       f" {r.pipeline.off.stage}); bubble and stage boundary transfers are in its step time")  # fmt: skip
+    if r.checkpointing_note:
+        console.print(f"[yellow]note[/yellow]: {r.checkpointing_note}")
     for note in [*r.notes, *pred.notes]:
         console.print(f"[yellow]note[/yellow]: {note}")
 

@@ -9,6 +9,7 @@ forward on the meta device are meta tensors: shapes only, no memory.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -128,9 +129,35 @@ def meta_example_input(
                 " seq_len (--seq-len) or set example_input_array"
             )
         b = batch_size or 1
-        return ExampleInput((token_ids(b, length, "meta"),), f"tokens ({b}, {length})", b)
+        args = token_inputs(module, b, length)
+        n = sum(isinstance(a, torch.Tensor) for a in args)
+        return ExampleInput(args, f"tokens ({b}, {length})" + (f" x{n}" if n > 1 else ""), b)
     raise NoExampleInput(
         "no activation estimate: set example_input_array on the model (one micro-batch of input)"
+    )
+
+
+def token_inputs(module: nn.Module, batch_size: int, seq_len: int) -> tuple:
+    """Positional arguments of ``module.forward`` for a token model: token ids for every argument it
+    requires (``forward(src, tgt)``), and for ``decoder_input_ids`` when its config says it is an
+    encoder-decoder (Hugging Face T5, BART, ...: optional in the signature, needed by the decoder); the
+    arguments between them keep their defaults. Just one tensor of ids when nothing is required."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return (token_ids(batch_size, seq_len, "meta"),)
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [p for p in sig.parameters.values() if p.kind in kinds]
+    needed = {p.name for p in params if p.default is inspect.Parameter.empty}
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        needed.add("decoder_input_ids")
+    if params:
+        needed.add(params[0].name)  # the ids themselves
+    last = max((i for i, p in enumerate(params) if p.name in needed), default=-1)
+    if last < 0:
+        return (token_ids(batch_size, seq_len, "meta"),)
+    return tuple(
+        token_ids(batch_size, seq_len, "meta") if p.name in needed else p.default for p in params[: last + 1]
     )
 
 

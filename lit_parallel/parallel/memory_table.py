@@ -8,7 +8,10 @@ row           shards                            over
 ============  ================================  ================================================
 DDP           nothing                           -
 ZeRO-1        optimizer state                   all ranks
-ZeRO-2        optimizer state + gradients       all ranks
+ZeRO-2        optimizer state + gradients       all ranks; parameters too, but gathered in full from
+              (+ parameters, gathered in full     forward to backward: what ``fsdp_blocks`` with
+              from forward to backward)           ``reshard_after_forward=False`` holds (not DeepSpeed's
+                                                  ZeRO-2, which keeps full parameters only)
 FSDP/ZeRO-3   + parameters                      all ranks
 HSDP          everything                        the devices of one node (replicated across nodes)
 TP+DP         everything                        tensor parallel inside a node x FSDP across nodes
@@ -27,14 +30,17 @@ if TYPE_CHECKING:
     from lit_parallel.parallel.activations import ActivationEstimate
 
 
+ZERO2 = "fsdp_blocks(reshard_after_forward=False)"  # what runs the ZeRO-2 row
+
+
 @dataclass(frozen=True)
 class MemoryRow:
     """Per-rank bytes of one strategy.
 
     Attributes:
         name: the row's label (``"DDP"``, ``"ZeRO-1"``, ...).
-        strategy: the lit_parallel registry name that runs it (``None`` for ZeRO-1, which no strategy
-            here implements).
+        strategy: the lit_parallel strategy that runs it: its registry name, with the argument that
+            selects it where one is needed (ZeRO-2); ``None`` for ZeRO-1, which no strategy here implements.
         sharding: what is divided and over how many ranks, in words.
         activation_bytes: per-rank activations for the given micro-batch; ``None`` without a model.
         fits: model state (+ activations when known) <= the device memory.
@@ -96,10 +102,19 @@ def memory_rows(
     blk = split("zero3", world, world)
     rest = split("zero3", dp, dp)
     tp_row = tuple(frac * x + (1 - frac) * y for x, y in zip(blk, rest))
+    # ZeRO-2 as lit_parallel runs it (FSDP2 without resharding after forward): ZeRO-3's shards, and every
+    # parameter gathered (full, in the stored dtype) from forward until its gradient is reduce-scattered
+    shards = split("zero3", world, world)
+    zero2 = (shards[0] + params * b.params, shards[1], shards[2])
     return [
         ("DDP", "ddp_tuned", "nothing sharded", *split("ddp", None, world)),
         ("ZeRO-1", None, f"optimizer state / {world}", *split("zero1", world, world)),
-        ("ZeRO-2", None, f"optimizer state + gradients / {world}", *split("zero2", world, world)),
+        (
+            "ZeRO-2",
+            ZERO2,
+            f"everything / {world}; parameters also gathered in full from forward to backward",
+            *zero2,
+        ),
         ("FSDP/ZeRO-3", "fsdp_blocks", f"everything / {world}", *split("zero3", world, world)),
         (
             "HSDP",

@@ -17,12 +17,27 @@ while last step's gradients still exist, ``zero_grad`` comes after it, then back
 What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype):
 
 * ``ddp_tuned``: gradients live in DDP's buckets (``gradient_as_bucket_view``) for the whole step.
-* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node): the state is sharded; the root's
-  parameters outside blocks stay gathered from forward to the end of backward (counted as parameters),
-  with one gathered block; backward adds the prefetched next block. FSDP2's flat all-gather buffers and
-  padding are not counted.
-* ZeRO-2 (``fsdp_blocks`` with ``reshard_after_forward=False``): the state is sharded as in ZeRO-3, and
-  every parameter stays gathered after forward; backward adds one block's unsharded gradient.
+* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node) and ZeRO-2 (``fsdp_blocks`` with
+  ``reshard_after_forward=False``), as FSDP2 in torch 2.13 does it (``_fsdp_collectives.py``,
+  ``_fsdp_param_group.py``). Every FSDP group (each block, and the root: the parameters outside blocks)
+  is gathered into unsharded parameters of its padded size ``P`` (dim 0 of each parameter padded to a
+  multiple of ``N``); shards, and the sharded gradients, are ``P / N`` each. Forward, per block ``k``
+  (sizes from the meta simulation at that block's start, inside it and after it):
+
+  - the copy-out of block ``k``: the flat all-gather output of block ``k`` (``P_k``) and of the group
+    before it (kept until this copy-out returns) next to the gathered parameters;
+  - inside and after block ``k``: block ``k``'s flat output (kept until the next group's copy-out or the
+    root's forward returns: the root is the LightningModule and its forward ``training_step``, so the
+    last block's flat output is still there when the loss is computed);
+  - gathered parameters: the root all the time, block ``k`` while it runs; ZeRO-2 keeps every block
+    gathered until its gradients are reduce-scattered.
+
+  Backward, as block ``k``'s gradients are done: its
+  unsharded gradient next to its gathered parameters; then (both freed) the reduce-scatter input
+  (``P_k``), its output (the new sharded gradient, ``P_k / N``) and, on gloo (CPU), the collective's
+  copy of the input (``P_k``); blocks after ``k`` hold sharded gradients, the root's gradients stay
+  unsharded until backward ends; ZeRO-3 also holds block ``k-1``'s prefetched all-gather output, ZeRO-2
+  the blocks before ``k`` still gathered.
 * ``tp_dp``: activations and temporaries inside blocks divided by the tensor-parallel size, the gathered
   block divided too.
 * ``pp_dp``: the largest pipeline stage, from one micro-batch simulated with its activations attributed
@@ -31,6 +46,7 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +81,8 @@ class Peak:
     optimizer: float
     activations: float
     temporaries: float
-    phase: str
+    phase: str  # "forward", "backward" or "optimizer step"
+    moment: str = ""  # which moment of that phase (FSDP: which block's gather or reduce-scatter)
 
     @property
     def total(self) -> float:
@@ -73,12 +90,17 @@ class Peak:
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("params", "grads", "optimizer", "activations", "temporaries", "total")
-        return {"phase": self.phase, **{f"{k}_bytes": float(getattr(self, k)) for k in keys}}
+        return {
+            "phase": self.phase,
+            "moment": self.moment or self.phase,
+            **{f"{k}_bytes": float(getattr(self, k)) for k in keys},
+        }
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The counts the strategy terms need, in elements."""
+    """The counts the strategy terms need, in elements; ``*_shapes``: ``(dim 0, elements per row)`` of each
+    parameter of every block (module order) and of the root (the parameters outside blocks)."""
 
     params: int
     trainable: int
@@ -86,11 +108,14 @@ class ModelShape:
     largest_param: int
     block_params: int
     largest_block: int
+    block_shapes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    root_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, module: nn.Module, blocks: list[nn.Module]) -> ModelShape:
         params = list(dict.fromkeys(module.parameters()))
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
         return cls(
             params=sum(p.numel() for p in params),
             trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -98,7 +123,20 @@ class ModelShape:
             largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
             block_params=sum(sizes),
             largest_block=max(sizes, default=0),
+            block_shapes=tuple(_rows(b.parameters()) for b in blocks),
+            root_shapes=_rows([p for p in params if id(p) not in in_blocks]),
         )
+
+
+def _rows(params: Any) -> tuple[tuple[int, int], ...]:
+    return tuple((p.shape[0], math.prod(p.shape[1:])) if p.dim() else (1, 1) for p in params)
+
+
+def padded(shapes: tuple[tuple[int, int], ...], shard: int) -> int:
+    """Elements FSDP2 gathers for these parameters over ``shard`` ranks: dim 0 of each parameter padded to
+    a multiple of ``shard`` (``_get_dim0_padded_size``); also the size of their flat all-gather output
+    and reduce-scatter input."""
+    return sum(-(-rows // shard) * shard * per_row for rows, per_row in shapes)
 
 
 @dataclass
@@ -117,6 +155,7 @@ class PeakReport:
     block_activation_share: float = 0.0
     pipeline: Any = None  # pp_dp's layout, step-time inputs: peak_pipeline.PipelinePrediction
     notes: list[str] = field(default_factory=list)
+    checkpointing_note: str = ""  # why the "with AC" figures are the ones without, when they are
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -157,12 +196,12 @@ def _strategy_peak(
 
     block_c = shape.largest_block * c / tp
     root_c = (shape.params - shape.block_params) * c
+    if strategy in ("zero2", "fsdp_blocks", "hsdp"):
+        return _fsdp_peak(
+            strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"]
+        )
     gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
-    # FSDP2's flat all-gather buffers and padding are not counted: on models whose blocks are small next to
-    # their activations (the usual case) they are within the error; on toy models they are not (docs)
-    if strategy == "zero2":  # everything stays gathered after forward; one block's full gradient in backward
-        gathered = {"fw": (shape.params * c, 0.0), "bw": (shape.params * c, block_c)}
-    elif sharded:  # root kept gathered, one block in forward; in backward the next is prefetched too
+    if sharded:  # tp_dp: root kept gathered, one block in forward; in backward the next is prefetched too
         gathered = {"fw": (root_c + block_c, 0.0), "bw": (root_c + block_c, block_c)}
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     grads_bw = g if strategy == "ddp_tuned" else g * fraction  # DDP's buckets hold every gradient all step
@@ -173,6 +212,67 @@ def _strategy_peak(
              split(bw["temporaries"]) + gathered["bw"][1], "backward"),
         Peak(strategy, p, g, o, 0.0, opt_bytes / (shard if sharded else 1), "optimizer step"),
     ]  # fmt: skip
+    return max(moments, key=lambda m: m.total)
+
+
+def _fsdp_peak(
+    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    gloo: bool,
+) -> Peak:  # fmt: skip
+    """FSDP2's moments (module docstring): each block's gather, inside and after it in forward, the loss,
+    each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
+    every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
+    ratio = padded(every, shard) / shape.params if shape.params else 1.0
+    p, g, o = state[0] * ratio, state[1] * ratio, state[2]  # shards are padded; AdamW's state is not
+    root = padded(shape.root_shapes, shard) * c
+    blocks = [padded(b, shard) * c for b in shape.block_shapes]
+    keep = strategy == "zero2"  # gathered parameters stay until backward ends
+    moments = []
+    if len(sim.block_starts) == len(blocks) == len(sim.block_inside) == len(sim.block_after):
+        for k, (act, tmp) in enumerate(sim.block_starts):
+            gathered = root + (sum(blocks[: k + 1]) if keep else blocks[k])
+            after = root + (sum(blocks[: k + 1]) if keep else 0.0)
+            # the copy-out of block k: its flat all-gather output and the previous group's coexist; block
+            # k's flat output is kept until the next group's copy-out (or the root's forward returns)
+            flats = blocks[k] + (blocks[k - 1] if k else root)
+            moments.append(
+                Peak(strategy, p + gathered, g, o, act, tmp + flats, "forward", f"block {k} gathered")
+            )
+            act, tmp = sim.block_inside[k]
+            moments.append(
+                Peak(strategy, p + gathered, g, o, act, tmp + blocks[k], "forward", f"inside block {k}")
+            )
+            act, tmp = sim.block_after[k]
+            moments.append(
+                Peak(strategy, p + after, g, o, act, tmp + blocks[k], "forward", f"after block {k}")
+            )
+    # the loss: the root's forward is the LightningModule's training_step (a registered FSDP forward
+    # method), so the last group's flat output lives until the loss is computed
+    fw = sim.forward_peak.by_category
+    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g, o, fw["activations"],
+                        fw["temporaries"] + (blocks[-1] if blocks else root), "forward", "loss"))  # fmt: skip
+    # backward, as block k's gradients are done: its unsharded gradient and gathered parameters, which are
+    # freed (resharded) before its reduce-scatter input, output (the new sharded gradient) and, on gloo, the
+    # collective's copy of the input exist; the blocks after it hold sharded gradients, the root's so far
+    # are unsharded; ZeRO-2 keeps the blocks before k gathered, ZeRO-3 has block k-1's all-gather prefetched
+    full = [sum(r * n for r, n in b) for b in shape.block_shapes]
+    if len(sim.block_grads_done) == len(blocks):
+        for k, (act, tmp, grads) in enumerate(sim.block_grads_done):
+            unsharded = full[k] * c
+            reduce = max(unsharded + blocks[k], blocks[k] * (1 + 1 / shard + (1 if gloo else 0)))  # see above
+            root_grads = max(0.0, grads - sum(full[k:]) * c)
+            sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
+            gathered = root + (sum(blocks[:k]) if keep else (blocks[k - 1] if k else 0.0))
+            moments.append(Peak(strategy, p + gathered, sharded + root_grads, o, act, tmp + reduce,
+                                "backward", f"block {k} reduce-scattered"))  # fmt: skip
+    # the rest of backward (its highest point may come before any block is done): ZeRO-3 has a block
+    # gathered and the next one's all-gather output prefetched
+    bw = sim.backward_peak.by_category
+    fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
+    largest = max(blocks, default=0.0)
+    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else largest), g * fraction, o,
+                        bw["activations"], bw["temporaries"] + (0.0 if keep else largest), "backward"))  # fmt: skip
+    moments.append(Peak(strategy, p, g, o, 0.0, opt_bytes / shard, "optimizer step"))
     return max(moments, key=lambda m: m.total)
 
 
@@ -203,15 +303,24 @@ def predict_peaks(
     blocks = [module.get_submodule(n) for n in block_names]
     shape = ModelShape.of(module, blocks)
     kw = {"batch_size": batch_size, "seq_len": seq_len, "example_inputs": example_inputs}
-    sims = {
-        (prec, ac): simulate_step(
-            module, dtype=_compute_dtype(prec), block_names=block_names, activation_checkpointing=ac, **kw
-        )
-        for prec in dict.fromkeys([precision, "32-true", "bf16-mixed"])
-        for ac in ((False, True) if block_names else (False,))
-    }
+    sims, failed = {}, ""
+    for prec in dict.fromkeys([precision, "32-true", "bf16-mixed"]):
+        for ac in (False, True) if block_names else (False,):
+            try:
+                sims[(prec, ac)] = simulate_step(
+                    module,
+                    dtype=_compute_dtype(prec),
+                    block_names=block_names,
+                    activation_checkpointing=ac,
+                    **kw,
+                )
+            except RuntimeError as err:  # checkpointing a block the model cannot recompute (T5 on meta)
+                if not ac:
+                    raise
+                failed = f"activation checkpointing not simulated: {str(err).splitlines()[0]}"
     sim = sims[(precision, False)]
     report = PeakReport(precision, devices, nodes, sim.batch_size, sim.input_description, shape)
+    report.checkpointing_note = failed
     for (prec, ac), s in sims.items():
         report.activations.setdefault(prec, {})["on" if ac else "off"] = s.saved_bytes
     report.block_activation_share = _block_share(module, blocks, precision, kw)
@@ -226,6 +335,7 @@ def predict_peaks(
             "share": report.block_activation_share,
             "tp": devices if strategy == "tp_dp" else 1,
             "shard": devices if strategy == "hsdp" else world,
+            "gloo": device_type == "cpu",  # gloo's reduce-scatter copies its input
         }
         args = {"c": c, "opt_bytes": opt_bytes, "extra": extra}
         report.peaks[strategy] = _strategy_peak(strategy, sim, rows, shape, **args)

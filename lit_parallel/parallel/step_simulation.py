@@ -84,6 +84,13 @@ class StepSimulation:
             and ``temporaries`` (outputs not saved, the loss's intermediate results, ...).
         backward_peak: the highest point of backward: ``grads`` (this step's gradients so far),
             ``activations`` not yet freed, ``temporaries`` (gradients flowing between layers).
+        block_starts: ``(activations, temporaries)`` live as each block's forward starts, in call order:
+            the moments FSDP gathers that block's parameters.
+        block_inside, block_after: ``(activations, temporaries)`` at the highest point inside each block's
+            forward, and between its end and the next block's start (or the model's end).
+        block_grads_done: per block (module order), ``(activations, temporaries, gradients)`` live when
+            its last parameter gradient is computed: the moment FSDP reduce-scatters that block.
+        model_end: ``(activations, temporaries)`` live when the model's forward returns (before the loss).
         saved_bytes: everything saved for backward in the forward (the activations of one micro-batch).
         grad_bytes: all gradients at the end of backward (in the simulated dtype).
         batch_size: the micro-batch.
@@ -92,6 +99,11 @@ class StepSimulation:
 
     forward_peak: MemoryPeak
     backward_peak: MemoryPeak
+    block_starts: tuple[tuple[float, float], ...]
+    model_end: tuple[float, float]
+    block_inside: tuple[tuple[float, float], ...]
+    block_after: tuple[tuple[float, float], ...]
+    block_grads_done: tuple[tuple[float, float, float], ...]
     saved_bytes: float
     grad_bytes: float
     batch_size: int
@@ -127,11 +139,37 @@ def simulate_step(
             apply_activation_checkpointing(block)
     args = tuple(to_meta(a, dtype) for a in example.args)
     target = forward_target(meta, blocks)
-    tracker = LiveMemory(list(meta.parameters()), exact=False)
+    tracker = _Segments(list(meta.parameters()), exact=False)
     # fused attention is simulated without checkpointing only: recomputation must see the same ops
     attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
+    starts: list[tuple[float, float]] = []
+
+    inside: list[tuple[float, float]] = []
+    after: list[tuple[float, float]] = []
+
+    def at_start(module: nn.Module, inputs: Any) -> None:
+        if starts:
+            after.append(tracker.segment())
+        now = tracker.snapshot().by_category
+        starts.append((float(now["activations"]), float(now["temporaries"])))
+        tracker.segment()
+
+    def at_end(module: nn.Module, inputs: Any, output: Any) -> None:
+        inside.append(tracker.segment())
+
+    handles = [b.register_forward_pre_hook(at_start) for b in blocks]
+    handles += [b.register_forward_hook(at_end) for b in blocks]
     with attention, tracker:
-        loss = default_loss(target(*args), args)
+        output = target(*args)
+        for h in handles:
+            h.remove()
+        if starts:
+            after.append(tracker.segment())
+        now = tracker.snapshot().by_category
+        model_end = (float(now["activations"]), float(now["temporaries"]))
+        loss = default_loss(output, args)
+        del output
+        done = _watch_block_grads(blocks, tracker)
         forward_peak = tracker.peak_so_far()
         saved = tracker.snapshot().by_category["activations"]
         tracker.reset_peak()
@@ -141,8 +179,52 @@ def simulate_step(
     return StepSimulation(
         forward_peak=forward_peak,
         backward_peak=tracker.peak,
+        block_starts=tuple(starts),
+        model_end=model_end,
+        block_inside=tuple(inside),
+        block_after=tuple(after),
+        block_grads_done=tuple(done[i] for i in sorted(done)),
         saved_bytes=float(saved),
         grad_bytes=float(grads),
         batch_size=example.batch_size,
         input_description=example.description,
     )
+
+
+class _Segments(LiveMemory):
+    """:class:`LiveMemory` that also keeps the highest point since the last :meth:`segment` call."""
+
+    high = 0
+
+    def _add(self, t: torch.Tensor) -> int:
+        alloc = super()._add(t)
+        self.high = max(self.high, self.current)
+        return alloc
+
+    def segment(self) -> tuple[float, float]:
+        """``(activations now, the rest of the highest point since the last call)``, beyond parameters;
+        starts the next segment."""
+        now = self.snapshot().by_category
+        high = self.high - now["params"] - now["grads"] - now["optimizer"]
+        self.high = self.current
+        return float(now["activations"]), float(max(0, high - now["activations"]))
+
+
+def _watch_block_grads(
+    blocks: Sequence[nn.Module], tracker: LiveMemory
+) -> dict[int, tuple[float, float, float]]:
+    """Snapshots (filled during backward) of what is live when each block's last gradient arrives."""
+    done: dict[int, tuple[float, float, float]] = {}
+    for i, block in enumerate(blocks):
+        params = [p for p in block.parameters() if p.requires_grad]
+        left = [len(params)]
+
+        def hook(_: torch.Tensor, i: int = i, left: list[int] = left) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                now = tracker.snapshot().by_category
+                done[i] = (float(now["activations"]), float(now["temporaries"]), float(now["grads"]))
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+    return done
