@@ -46,9 +46,10 @@ class Prediction:
 
     def step_s(self, strategy: str) -> dict[str, float | None]:
         """Seconds of one step: compute + optimizer (divided where sharded) + communication + Lightning's
-        per-step overhead; communication is ``None`` without a bus bandwidth. With measured strategy costs
-        (:mod:`~lit_parallel.parallel.calibration`) communication is the bytes sent over the bus bandwidth
-        plus what the strategy was measured to add per step, per FSDP group and per parameter tensor."""
+        per-step overhead; communication is ``None`` without a bus bandwidth. With a measured cost of the
+        strategy (:mod:`~lit_parallel.parallel.calibration`) communication is what it was measured to add
+        per step, per FSDP group, per parameter tensor and per parameter byte (``hsdp`` and ``tp_dp``: the
+        ``fsdp_blocks`` cost without its per-byte part, plus their own bytes over the bus bandwidth)."""
         if strategy == "pp_dp":  # the pipeline's bubble and stage boundaries: lit_parallel/advise_pipeline.py
             from lit_parallel.advise_pipeline import pipeline_step_s
 
@@ -76,14 +77,19 @@ class Prediction:
         if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
             return comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
                                 busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups)  # fmt: skip
-        sent = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                            busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups)  # fmt: skip
+        if strategy in _COST_OF:  # priced with another strategy's cost: its own bytes at the bus bandwidth
+            sent = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
+                                busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups)  # fmt: skip
+            calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
+            more_calls = calls - collectives_per_step("fsdp_blocks", groups=self.groups, grad_bytes=grad)
+            own = cost.seconds(self.groups, self.timing.tensors, cost.reference_bytes)  # no per-byte part
+            return sent + max(0, more_calls) * self.latency_s + own
+        # measured for this strategy: the bytes are in its per-byte cost; DDP's extra buckets pay the latency
         calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
-        measured_calls = collectives_per_step(  # the calls the measured cost already holds
-            strategy, groups=self.groups if strategy != "ddp_tuned" else 1, grad_bytes=grad
+        more_calls = max(0, calls - 1) if strategy == "ddp_tuned" else 0
+        return more_calls * self.latency_s + cost.seconds(
+            self.groups, self.timing.tensors, r.shape.params * grad
         )
-        more_calls = max(0, calls - measured_calls) if strategy in ("ddp_tuned", "hsdp") else 0
-        return sent + more_calls * self.latency_s + cost.seconds(self.groups, self.timing.tensors)
 
     def as_dict(self) -> dict[str, Any]:
         out = self.report.as_dict()
@@ -301,7 +307,7 @@ def print_cluster(cluster: dict[str, Any], console: Any) -> None:
         f"{name} {c['slot_s'] * 1e3:.2f} ms per pipeline slot"
         if name == "pp_dp"
         else f"{name} {c['fixed_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per FSDP group"
-        f" + {c['tensor_s'] * 1e6:.0f} us per parameter tensor"
+        f" + {c['tensor_s'] * 1e6:.0f} us per parameter tensor + {c['byte_s'] * 1e9:.2f} ms per MB of parameters"
         for name, c in cluster["strategy_costs"].items()
     )
     console.print(f"measured on {cluster['ranks']} ranks: all-reduce {cluster['busbw_gbps']:.3g} GB/s bus bandwidth,"

@@ -10,42 +10,47 @@ from lit_parallel.parallel.calibration import SHAPES, CalibrationNet, StrategyCo
 def test_the_calibration_shapes_have_the_groups_and_tensors_the_fit_assumes():
     from lit_parallel.parallel.blocks import find_transformer_blocks
 
-    for name, (blocks, layers) in SHAPES.items():
-        model = CalibrationNet(blocks, layers)
+    for name, (blocks, layers, width) in SHAPES.items():
+        model = CalibrationNet(blocks, layers, width)
         found = find_transformer_blocks(model, "auto").blocks
-        groups, tensors = counts(name)
+        groups, tensors, nbytes = counts(name)
         assert len(found) + 1 == groups == blocks + 1  # the blocks, then the root group
         assert len(list(model.parameters())) == tensors == 2 + 2 * blocks * layers
+        assert sum(4 * p.numel() for p in model.parameters()) == nbytes
+    # by hand: Linear(4, 4) x 3 = 3 x 20 parameters; heavy: Linear(4, 1024) + 2 x Linear(1024, 1024)
+    assert counts("reference")[2] == 4 * 60
+    assert counts("heavy")[2] == 4 * (5 * 1024 + 2 * (1024 * 1024 + 1024))
 
 
 def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
-    # a strategy that costs 3 ms per step, 2 ms per FSDP group and 50 us per parameter tensor beyond the
-    # reference shape (3 groups, 6 tensors): thin has 7 groups / 14 tensors, wide 7 groups / 50 tensors
-    fixed, group, tensor = 3e-3, 2e-3, 50e-6
-    one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3}
-    extra = {
-        "reference": fixed,
-        "thin": fixed + 4 * group + 8 * tensor,
-        "wide": fixed + 4 * group + 44 * tensor,
-    }
-    costs = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one}, "ddp_tuned": {
-        k: one[k] + fixed + tensor * (counts(k)[1] - 6) for k in one}})  # fmt: skip
+    # a strategy that costs 3 ms per step, 2 ms per FSDP group, 50 us per parameter tensor and 1 ms per MB
+    # beyond the reference shape (3 groups, 6 tensors, 240 bytes): thin has 7 groups / 14 tensors, wide 7
+    # groups / 50 tensors, heavy the reference's groups and tensors and 8,418,560 more bytes
+    fixed, group, tensor, per_byte = 3e-3, 2e-3, 50e-6, 1e-9
+    heavy_bytes = 4 * (5 * 1024 + 2 * (1024 * 1024 + 1024)) - 240
+    one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3, "heavy": 9e-3}
+    extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor, "wide": fixed + 4 * group + 44 * tensor,
+             "heavy": fixed + heavy_bytes * per_byte}  # fmt: skip
+    ddp_extra = {"reference": fixed, "thin": fixed + 8 * tensor, "wide": fixed + 44 * tensor,
+                 "heavy": fixed + heavy_bytes * per_byte}  # fmt: skip
+    costs = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one},
+                            "ddp_tuned": {k: one[k] + ddp_extra[k] for k in one}})  # fmt: skip
     f, d = costs["fsdp_blocks"], costs["ddp_tuned"]
-    assert (f.fixed_s, f.group_s, f.tensor_s) == pytest.approx((fixed, group, tensor))
-    assert (d.fixed_s, d.group_s, d.tensor_s) == pytest.approx((fixed, 0.0, tensor))  # DDP has no groups
-    # a model of 13 groups and 100 tensors: 3 ms + 10 x 2 ms + 94 x 50 us
-    assert f.seconds(13, 100) == pytest.approx(3e-3 + 20e-3 + 4.7e-3)
-    assert d.seconds(13, 100) == pytest.approx(3e-3 + 4.7e-3)
+    assert (f.fixed_s, f.group_s, f.tensor_s, f.byte_s) == pytest.approx((fixed, group, tensor, per_byte))
+    assert (d.fixed_s, d.group_s, d.tensor_s, d.byte_s) == pytest.approx((fixed, 0.0, tensor, per_byte))
+    # a model of 13 groups, 100 tensors and 1,000,240 bytes: 3 ms + 10 x 2 ms + 94 x 50 us + 1 ms
+    assert f.seconds(13, 100, 1_000_240) == pytest.approx(3e-3 + 20e-3 + 4.7e-3 + 1e-3)
+    assert d.seconds(13, 100, 1_000_240) == pytest.approx(3e-3 + 4.7e-3 + 1e-3)
 
 
 def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_the_fixed_cost():
-    cost = StrategyCost.fit({"reference": -1e-4, "thin": -2e-4, "wide": -5e-4}, grouped=True)
-    assert (cost.fixed_s, cost.group_s, cost.tensor_s) == (0.0, 0.0, 0.0)
+    cost = StrategyCost.fit({"reference": -1e-4, "thin": -2e-4, "wide": -5e-4, "heavy": -3e-4}, grouped=True)
+    assert (cost.fixed_s, cost.group_s, cost.tensor_s, cost.byte_s) == (0.0, 0.0, 0.0, 0.0)
     cost = StrategyCost(fixed_s=1e-3, group_s=1e-3, tensor_s=1e-4, reference_groups=3, reference_tensors=6)
     assert cost.seconds(1, 2) == pytest.approx(1e-3)
 
 
-def test_the_predicted_step_adds_the_strategy_cost_and_the_bytes_over_the_bus():
+def test_the_predicted_step_adds_the_measured_strategy_cost():
     from lit_parallel.advise_report import Prediction
     from lit_parallel.parallel.calibration import StrategyCost
     from lit_parallel.parallel.memory import estimate_comm_bytes
@@ -61,15 +66,22 @@ def test_the_predicted_step_adds_the_strategy_cost_and_the_bytes_over_the_bus():
     tensors = len(list(model.parameters()))
     timing = StepTime(block_s=0.0, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
                       optimizer_element_s=1e-9, tensors=tensors, elements=params, block_description="x")  # fmt: skip
-    fsdp = StrategyCost(fixed_s=2e-3, group_s=1e-3, tensor_s=1e-4, reference_groups=3, reference_tensors=6)
+    fsdp = StrategyCost(fixed_s=2e-3, group_s=1e-3, tensor_s=1e-4, reference_groups=3, reference_tensors=6,
+                        byte_s=2e-9, reference_bytes=240)  # fmt: skip
     pred = Prediction("m", report, timing=timing, overhead_s=5e-4, busbw_gbps=1.0, latency_s=1e-4, groups=4,
                       costs={"fsdp_blocks": fsdp})  # fmt: skip
     got = pred.step_s("fsdp_blocks")
-    sent = estimate_comm_bytes(params, strategy="fsdp", world_size=2, grad_dtype=4) / 1e9
     # compute 100 x 10 us; AdamW tensors x 10 us + half the elements x 1 ns; 2 ms + 1 group x 1 ms +
-    # (tensors - 6) x 100 us; Lightning 0.5 ms
-    expected = 1e-3 + (tensors * 1e-5 + params / 2 * 1e-9) + sent + 2e-3 + 1e-3 + (tensors - 6) * 1e-4 + 5e-4
-    assert got["step_s"] == pytest.approx(expected)
+    # (tensors - 6) x 100 us + (4 x params - 240) x 2 ns (the bytes, measured: not over the bus); Lightning
+    # 0.5 ms
+    comm = 2e-3 + 1e-3 + (tensors - 6) * 1e-4 + (4 * params - 240) * 2e-9
+    expected = 1e-3 + (tensors * 1e-5 + params / 2 * 1e-9) + comm + 5e-4
+    assert got["comm_s"] == pytest.approx(comm) and got["step_s"] == pytest.approx(expected)
+    # hsdp is priced with fsdp_blocks' cost without its per-byte part, plus its bytes over the bus and the
+    # latency of its replicas' all-reduce calls (one per group): on one node of 2 devices HSDP is FSDP
+    sent = estimate_comm_bytes(params, strategy="fsdp", world_size=2, grad_dtype=4) / 1e9
+    hsdp_comm = sent + 4 * 1e-4 + 2e-3 + 1e-3 + (tensors - 6) * 1e-4
+    assert pred.step_s("hsdp")["comm_s"] == pytest.approx(hsdp_comm)
     # without a measured cost the old pricing: every collective call pays the latency
     assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(1e-4 + 2 * params * 4 / 2 / 1e9)
 
@@ -86,6 +98,8 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
         "tensor_s": 1e-4,
         "reference_groups": 3,
         "reference_tensors": 6,
+        "byte_s": 1e-9,
+        "reference_bytes": 240,
     }
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"measured_cluster": {"ranks": 2, "busbw_gbps": 0.5, "latency_s": 2e-4,
@@ -99,8 +113,8 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
     assert data["busbw_gbps"] == 0.5 and data["latency_s"] == pytest.approx(2e-4)
     assert timing["fsdp_groups"] == 4 and timing["tensors"] == 22  # 3 blocks + root; 11 modules with weights
     params = timing["elements"]
-    sent = 3 * params * 4 / 2  # ZeRO-3 on 2 ranks: all-gather twice + reduce-scatter, half of each per rank
-    expected_comm = sent / 0.5e9 + 0.004 + 1 * 0.002 + (22 - 6) * 1e-4
+    # 4 ms + 1 group beyond the reference's 3 x 2 ms + 16 tensors x 100 us + its fp32 bytes beyond 240 x 1 ns
+    expected_comm = 0.004 + 1 * 0.002 + (22 - 6) * 1e-4 + (4 * params - 240) * 1e-9
     assert fsdp["comm_s"] == pytest.approx(expected_comm)
     assert fsdp["step_s"] == pytest.approx(
         fsdp["compute_s"] + fsdp["optimizer_s"] + expected_comm + data["overhead_s"]

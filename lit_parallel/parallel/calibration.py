@@ -1,24 +1,26 @@
-"""What each strategy adds to a step on this cluster, measured on three tiny models.
+"""What each strategy adds to a step on this cluster, measured on four tiny models.
 
 On a GPU cluster a tiny collective costs microseconds; on CPU ranks (gloo) it costs what the operating
 system's scheduler makes of it, and FSDP2's per-group work (hooks, copies into and out of the flat
-all-gather / reduce-scatter buffers, DTensor dispatch in the optimizer) dominates small models. None of
-that follows from the bytes sent, so it is measured: :class:`CalibrationNet` with ``blocks`` residual
-blocks of ``layers`` ``Linear(4, 4)`` each is trained for a few steps in one process and under each
-strategy in a real launch (``lit-parallel advise --verify``); the difference is what the strategy adds.
-Three shapes separate the three costs:
+all-gather / reduce-scatter buffers, DTensor dispatch in the optimizer) dominates small models. Little of
+that follows from a bandwidth figure, so it is measured: :class:`CalibrationNet` (``blocks`` residual
+blocks of ``layers`` Linears of ``width`` features) is trained for a few steps in one process and under
+each strategy in a real launch (``lit-parallel advise --verify``); the difference is what the strategy
+adds. Four shapes separate four costs:
 
-* ``reference`` (2 blocks of 1 layer): the strategy's fixed cost per step (one bucket, or the root group
-  and two block groups);
+* ``reference`` (2 blocks of 1 layer, width 4): the strategy's fixed cost per step (one bucket, or the
+  root group and two block groups);
 * ``thin`` (6 blocks of 1 layer): 4 more FSDP groups and 8 more parameter tensors;
-* ``wide`` (6 blocks of 4 layers): the same groups, 36 more tensors than ``thin``.
+* ``wide`` (6 blocks of 4 layers): the same groups, 36 more tensors than ``thin``;
+* ``heavy`` (``reference`` at width 1024): the same groups and tensors, about 8.4 MB more parameters.
 
-So ``per tensor = (wide - thin) / 36`` and ``per group = (thin - reference - 8 x per tensor) / 4``; a
-model with ``G`` groups and ``T`` parameter tensors gets ``fixed + (G - 3) x per group + (T - 6) x per
-tensor`` on top of its one-process step, plus the bytes it sends over the measured bus bandwidth
-(:func:`lit_parallel.parallel.step_time.comm_seconds`). DDP has no groups: its per-group cost is 0.
-``pp_dp`` runs the ``reference`` shape only: what it adds, divided by that run's pipeline slots
-(micro-batches + stages - 1), is a cost per slot (:func:`fit_pipeline_cost`).
+So ``per tensor = (wide - thin) / 36``, ``per group = (thin - reference - 8 x per tensor) / 4`` and ``per
+byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` groups, ``T`` parameter
+tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
+240) x per byte`` on top of its one-process step: every collective, copy and hook the strategy runs,
+bytes included. DDP has no groups: its per-group cost is 0. ``pp_dp`` runs the ``reference`` shape only:
+what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a cost per slot
+(:func:`fit_pipeline_cost`); its stage boundary transfers are priced by the measured bus bandwidth.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-# name -> (blocks, layers per block)
-SHAPES: dict[str, tuple[int, int]] = {"reference": (2, 1), "thin": (6, 1), "wide": (6, 4)}
+# name -> (blocks, layers per block, width)
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "reference": (2, 1, 4), "thin": (6, 1, 4), "wide": (6, 4, 4), "heavy": (2, 1, 1024)
+}  # fmt: skip
 FEATURES = 4
 BATCH = 8
 
@@ -38,22 +42,22 @@ BATCH = 8
 class Residual(nn.Module):
     """``x + layers(x)``: one calibration block (``layers`` Linears in an ``nn.Sequential``)."""
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, width: int = FEATURES) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*(nn.Linear(FEATURES, FEATURES) for _ in range(layers)))
+        self.layers = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.layers(x)
 
 
 class CalibrationNet(nn.Module):
-    """``Linear(4, 4)`` then ``blocks`` :class:`Residual` blocks of ``layers`` Linears each (a chain of
+    """``Linear(4, width)`` then ``blocks`` :class:`Residual` blocks of ``layers`` Linears each (a chain of
     blocks, so ``pp_dp`` can cut it into stages as well)."""
 
-    def __init__(self, blocks: int, layers: int) -> None:
+    def __init__(self, blocks: int, layers: int, width: int = FEATURES) -> None:
         super().__init__()
-        self.inp = nn.Linear(FEATURES, FEATURES)
-        self.blocks = nn.ModuleList(Residual(layers) for _ in range(blocks))
+        self.inp = nn.Linear(FEATURES, width)
+        self.blocks = nn.ModuleList(Residual(layers, width) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -63,24 +67,26 @@ class CalibrationNet(nn.Module):
 
 
 def calibration_model(name: str) -> nn.Module:
-    blocks, layers = SHAPES[name]
-    return CalibrationNet(blocks, layers)
+    return CalibrationNet(*SHAPES[name])
 
 
 def calibration_input() -> tuple[torch.Tensor]:
     return (torch.randn(BATCH, FEATURES, generator=torch.Generator().manual_seed(0)),)
 
 
-def counts(name: str) -> tuple[int, int]:
-    """(FSDP groups, parameter tensors) of a calibration shape: its blocks plus the root group."""
-    blocks, layers = SHAPES[name]
-    return blocks + 1, 2 + 2 * blocks * layers
+def counts(name: str) -> tuple[int, int, int]:
+    """(FSDP groups, parameter tensors, fp32 parameter bytes) of a calibration shape; the groups are its
+    blocks plus the root group."""
+    blocks, layers, width = SHAPES[name]
+    params = (FEATURES + 1) * width + blocks * layers * (width + 1) * width
+    return blocks + 1, 2 + 2 * blocks * layers, 4 * params
 
 
 @dataclass(frozen=True)
 class StrategyCost:
-    """Seconds a strategy adds to one step: fixed, per FSDP group and per parameter tensor, beyond the
-    reference shape (``reference_groups`` groups, ``reference_tensors`` tensors)."""
+    """Seconds a strategy adds to one step: fixed, per FSDP group, per parameter tensor and per parameter
+    byte, beyond the reference shape (``reference_groups`` groups, ``reference_tensors`` tensors,
+    ``reference_bytes`` bytes)."""
 
     fixed_s: float
     group_s: float
@@ -88,23 +94,32 @@ class StrategyCost:
     reference_groups: int
     reference_tensors: int
     slot_s: float = 0.0  # pp_dp: per pipeline slot (micro-batch or bubble), the schedule's bookkeeping
+    byte_s: float = 0.0
+    reference_bytes: int = 0
 
     @classmethod
     def fit(cls, extra_s: dict[str, float], *, grouped: bool) -> StrategyCost:
         """From the seconds the strategy added to each shape (``grouped``: FSDP, which has groups)."""
-        (g_ref, t_ref), (g_thin, t_thin), (_, t_wide) = (counts(n) for n in ("reference", "thin", "wide"))
+        (g_ref, t_ref, b_ref), (g_thin, t_thin, _), (_, t_wide, _), (_, _, b_heavy) = (
+            counts(n) for n in ("reference", "thin", "wide", "heavy")
+        )
         per_tensor = max(0.0, (extra_s["wide"] - extra_s["thin"]) / (t_wide - t_thin))
         per_group = 0.0
         if grouped:
             rest = extra_s["thin"] - extra_s["reference"] - per_tensor * (t_thin - t_ref)
             per_group = max(0.0, rest / (g_thin - g_ref))
-        return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref)
+        per_byte = max(0.0, (extra_s["heavy"] - extra_s["reference"]) / (b_heavy - b_ref))
+        return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref,
+                   byte_s=per_byte, reference_bytes=b_ref)  # fmt: skip
 
-    def seconds(self, groups: int, tensors: int) -> float:
-        """What the strategy adds to the step of a model with ``groups`` FSDP groups and ``tensors``
-        parameter tensors (never less than the fixed cost)."""
-        more = self.group_s * (groups - self.reference_groups) + self.tensor_s * (
-            tensors - self.reference_tensors
+    def seconds(self, groups: int, tensors: int, param_bytes: float = 0.0) -> float:
+        """What the strategy adds to the step of a model with ``groups`` FSDP groups, ``tensors``
+        parameter tensors and ``param_bytes`` bytes of parameters as communicated (never less than the
+        fixed cost)."""
+        more = (
+            self.group_s * (groups - self.reference_groups)
+            + self.tensor_s * (tensors - self.reference_tensors)
+            + self.byte_s * (param_bytes - self.reference_bytes)
         )
         return self.fixed_s + max(0.0, more)
 
@@ -134,8 +149,9 @@ def calibration_slots(stages: int) -> int:
 def fit_pipeline_cost(one_process_s: float, pipeline_s: float, slots: int) -> StrategyCost:
     """``pp_dp``'s cost: the seconds it added to the ``reference`` shape, spread over the ``slots``
     (micro-batches + stages - 1) of that run's schedule; a model pays it per slot of its own schedule."""
-    groups, tensors = counts("reference")
-    return StrategyCost(0.0, 0.0, 0.0, groups, tensors, slot_s=max(0.0, pipeline_s - one_process_s) / slots)
+    groups, tensors, nbytes = counts("reference")
+    return StrategyCost(0.0, 0.0, 0.0, groups, tensors, slot_s=max(0.0, pipeline_s - one_process_s) / slots,
+                        reference_bytes=nbytes)  # fmt: skip
 
 
 def load_cluster(path: str) -> dict[str, Any]:
