@@ -11,6 +11,7 @@ import torch
 
 from lit_parallel.lab.memory import BlockMLP
 from lit_parallel.parallel.peak_pipeline import (
+    backward_moment,
     in_flight,
     pipeline_layout,
     pipeline_microbatches,
@@ -51,6 +52,19 @@ def test_micro_batches_in_flight_follow_the_schedule():
         in_flight("Interleaved1F1B", 0, 2, 4)
 
 
+def test_the_worst_moment_of_a_backward_over_the_stage_blocks():
+    """3 blocks of 100 saved bytes and 50 gathered, 10 bytes before them, root 5, 2 micro-batches in flight:
+    the other micro-batch's 310 bytes stay; the oldest one's blocks free as its backward passes them."""
+    # small parameters: the start of the last block's backward (root + that block; all 620 bytes live)
+    assert backward_moment(2, 10.0, [100.0] * 3, 0.0, 5.0, [50.0] * 3, prefetch=False) == (55.0, 620.0)
+    # large parameters: the first block's backward (all gathered; 310 + 10 + 100 live)
+    assert backward_moment(2, 10.0, [100.0] * 3, 0.0, 5.0, [500.0] * 3, prefetch=False) == (1505.0, 420.0)
+    # sharded over d > 1: the middle block's backward also holds the first block's prefetched all-gather
+    assert backward_moment(2, 10.0, [100.0] * 3, 0.0, 5.0, [500.0] * 3, prefetch=True) == (1505.0, 520.0)
+    # a last stage's head and loss go back first: only the root gathered, the suffix's 1000 bytes live
+    assert backward_moment(1, 0.0, [100.0], 1000.0, 5.0, [50.0], prefetch=False) == (5.0, 1100.0)
+
+
 def test_the_layout_advise_predicts():
     # one node: a stage per device; 4 x P micro-batches when the batch divides
     assert pipeline_layout(2, 1, 16) == pipeline_layout(2, 1, 16, stages=2)
@@ -89,6 +103,11 @@ def test_a_stage_peak_adds_the_terms_written_in_the_module_docstring():
     # its output kept for backward per micro-batch in flight, one gradient receive buffer per micro-batch
     assert first.temporaries - sim.temporaries == 2 * 4 * b * w + 8 * 4 * b * w
     last = peaks[1]
-    assert last.activations == sim.blocks[1] + sim.suffix  # the head and the loss live on the last stage
+    head = 4 * w + 4
+    # its backward: the head and the loss go back first (only the head gathered, every activation live),
+    # then the block (gathered as well, the head's and the loss's activations freed): here the second
+    assert sim.suffix < n * 4
+    assert last.params == (n + head) * (4 + 4)
+    assert last.activations == sim.blocks[1]
     # activations arrive into one receive buffer per micro-batch; the one in flight is the block's input
     assert last.temporaries - sim.temporaries == (8 - 1) * 4 * b * w

@@ -15,16 +15,19 @@ the blocks, to each block and to what follows them (head and loss). What stage `
 the steady state of the schedule, after its first backward (``c``: bytes of the compute dtype; ``b``:
 ZeRO's bytes per parameter of the precision):
 
-* parameters: its pieces' sharded parameters, ``b.params / d`` each, plus the gathered copy of all of them
-  (``c`` each): torch's ``PipelineStage`` turns FSDP2's resharding after backward off for every
-  micro-batch but the last, so the stage stays gathered from its first backward to the end of the step
-  (FSDP2 gathers into its own buffers also when ``d = 1``);
+* parameters: its pieces' sharded parameters, ``b.params / d`` each, plus what is gathered (``c`` each)
+  at the worst moment of a backward (:func:`backward_moment`): FSDP2 reshards every block after its
+  forward (the strategy's ``reshard_after_forward=True``) and keeps the stage's root pieces (embeddings,
+  head) gathered; torch's ``PipelineStage`` turns resharding after backward off until the step's last
+  backward, so the blocks a backward has reached stay gathered until the next forward (FSDP2 gathers into
+  its own buffers also when ``d = 1``; with ``d > 1`` the next block's all-gather is prefetched too);
 * gradients: last step's sharded gradients (the strategy holds the schedule's gradients apart until
   Lightning has zeroed the old ones, so both exist during the schedule) plus the unsharded gradients FSDP2
   accumulates over the micro-batches (gradient sync is off until the last), ``b.grads`` each;
 * optimizer state: AdamW's, sharded over ``d``, and one fp32 step counter per parameter tensor;
 * activations: the saved activations of the micro-batches in flight: ``min(P - s, M)`` under 1F1B, ``M``
-  under GPipe;
+  under GPipe, less those of the oldest one's blocks its backward has passed at that moment (the
+  simulation saves what the fused attention kernel saves, as a real step does);
 * temporaries: the stage output kept for backward per micro-batch in flight (stages before the last);
   torch's receive buffers, one per micro-batch for the activations (stages after the first; those of the
   micro-batches in flight are already counted as activations) and one per micro-batch for the gradients
@@ -42,6 +45,7 @@ bandwidth each): the idle fraction, the bubble, is ``(P - 1) / (M + P - 1)``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +63,7 @@ __all__ = [
     "PipelineStepTime",
     "StageBytes",
     "PipelinePrediction",
+    "backward_moment",
     "in_flight",
     "pipeline_layout",
     "pipeline_microbatches",
@@ -148,6 +153,7 @@ def simulate_micro_batch(
     (``args``: meta tensors) on a meta copy of ``module``, saved activations attributed by block."""
     from lit_parallel.parallel.activations import forward_target
     from lit_parallel.parallel.example_inputs import to_meta
+    from lit_parallel.parallel.fused_attention import fused_attention_on_meta
     from lit_parallel.parallel.live_memory import LiveMemory
     from lit_parallel.parallel.parallelize import apply_activation_checkpointing
     from lit_parallel.parallel.step_simulation import default_loss, meta_copy
@@ -175,8 +181,11 @@ def simulate_micro_batch(
             apply_activation_checkpointing(block)
         handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
     args = tuple(to_meta(a, dtype) for a in args)
+    # the fused kernel's saved tensors, as a real step saves them (not with checkpointing: the recomputation
+    # must see the same ops, as in step_simulation)
+    attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
     try:
-        with tracker:
+        with tracker, attention:
             loss = default_loss(forward_target(meta, blocks)(*args), args)
             forward = tracker.peak_so_far().by_category
             end = saved()
@@ -226,6 +235,34 @@ def _stage_counts(module: nn.Module, pieces: list[str]) -> tuple[int, int, int, 
     )
 
 
+def _numel(module: nn.Module, name: str) -> int:
+    return sum(p.numel() for p in module.get_submodule(name).parameters())
+
+
+def backward_moment(
+    k: int,
+    prefix: float,
+    blocks: list[float],
+    suffix: float,
+    root: float,
+    gathered: list[float],
+    prefetch: bool,
+) -> tuple[float, float]:
+    """(parameters gathered, saved activations) at the worst moment of a stage's backward of its oldest
+    micro-batch in flight, ``k`` in flight, each saving ``prefix + sum(blocks) + suffix``. FSDP2 reshards
+    every block after its forward (the strategy's ``reshard_after_forward=True``) and keeps only the stage's
+    root pieces gathered; torch's ``PipelineStage`` turns resharding after backward off, so in backward the
+    blocks already run stay gathered (with ``d > 1`` the next block's all-gather is prefetched as well)
+    while the current micro-batch's activations are freed block by block. ``gathered``: each block's
+    gathered bytes; ``root``: the rest of the stage's."""
+    rest = (k - 1) * (prefix + sum(blocks) + suffix)
+    moments = [(root, rest + prefix + sum(blocks) + suffix)]  # the head and the loss go back first
+    for j in reversed(range(len(blocks))):
+        ahead = gathered[j - 1] if prefetch and j else 0.0
+        moments.append((root + sum(gathered[j:]) + ahead, rest + prefix + sum(blocks[: j + 1])))
+    return max(moments, key=sum)
+
+
 def pipeline_plan(module: nn.Module, block_names: list[str], layout: PipelineLayout) -> Any:
     """The strategy's stages for ``layout`` (:func:`~lit_parallel.parallel.pipeline.plan_pipeline`)."""
     from lit_parallel.parallel.blocks import BlockPlan
@@ -256,18 +293,19 @@ def stage_peaks(
         s, last = stage.index, stage.index == plan.num_stages - 1
         params, trainable, tensors, largest = _stage_counts(module, stage.pieces)
         ids = [index[n] for n in stage.blocks]
-        acts = (
-            sum(sim.blocks[i] for i in ids) + (sim.prefix if s == 0 else 0.0) + (sim.suffix if last else 0.0)
-        )
         k = in_flight(layout.schedule, s, plan.num_stages, m)
         boundary_out = 0.0 if last else sim.outputs[ids[-1]]
         boundary_in = 0.0 if s == 0 else sim.outputs[ids[0] - 1]
         buffers = m * boundary_out + m * boundary_in  # torch's receive buffers, kept between steps
         optimizer = trainable * b.optimizer / d + 4 * tensors
         scratch = (trainable / d if device_type == "cuda" else 2 * largest) * opt_elem
+        per_block = [_numel(module, n) * c for n in stage.blocks]
+        root = params * c - sum(per_block)
+        head, tail = sim.prefix if s == 0 else 0.0, sim.suffix if last else 0.0
+        gathered, live = backward_moment(k, head, [sim.blocks[i] for i in ids], tail, root, per_block, d > 1)
         out.append(max(
-            StageBytes(s, params * b.params / d + params * c, trainable * b.grads / d + trainable * b.grads,
-                       optimizer, k * acts,
+            StageBytes(s, params * b.params / d + gathered, trainable * b.grads / d + trainable * b.grads,
+                       optimizer, live,
                        k * boundary_out + buffers - k * boundary_in + sim.temporaries,
                        "backward"),
             StageBytes(s, params * b.params / d, trainable * b.grads / d, optimizer, 0.0, scratch + buffers,
