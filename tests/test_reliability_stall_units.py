@@ -214,8 +214,10 @@ _CHILD = textwrap.dedent(
     spec.loader.exec_module(module)
     SignalExit = module.SignalExit
     grandchild = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
+    assert grandchild.stdout.readline().strip() == b"up"  # past its start-up: the signal finds it sleeping
     def stop_children(signum, wait_s):
         grandchild.send_signal(signum)
         grandchild.wait(wait_s)
@@ -355,3 +357,22 @@ def test_a_rank_that_does_not_answer_is_reported_only_when_silent_twice(monkeypa
     err = capsys.readouterr().err
     assert err.count("lit_parallel: stall:") == 1
     assert "  rank 0 in training_step; rank 1 did not answer" in err
+
+
+@pytest.mark.timeout(60)
+def test_the_signal_message_is_printed_even_when_stopping_the_children_fails():
+    code = _CHILD.replace(
+        "grandchild.send_signal(signum)", "grandchild.kill(); raise TimeoutError('the ranks did not stop')"
+    )
+    code = code.format(path=str(REPO / "lit_parallel" / "reliability" / "signals.py"), retire=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert (
+        f"rank 0 (pid {proc.pid}) received SIGTERM: exiting with status 143; stopping the processes it started"
+        " failed: TimeoutError: the ranks did not stop" in err
+    )

@@ -127,7 +127,10 @@ class SignalExit:
     def _end(self, signum: int) -> None:
         code = exit_status(signum)
         name = signal.Signals(signum).name
-        children = self.stop_children(signum, CHILD_WAIT_S)
+        try:
+            children = self.stop_children(signum, CHILD_WAIT_S)
+        except Exception as err:  # the exit status and the message below must not depend on it
+            children = f"stopping the processes it started failed: {type(err).__name__}: {err}"
         message = (
             f"lit_parallel: rank {self.rank} (pid {os.getpid()}) received {name}: exiting with status {code}"
         )
