@@ -137,16 +137,14 @@ def pipeline_worker_entry(
     model: nn.Module, inputs: tuple, *, devices: int, repeats: int = 5
 ) -> dict[str, Any]:
     """``pp_dp`` measured in every rank of an ``advise --verify`` launch (``devices`` ranks = stages), in the
-    shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s}`` or ``{"error": why}``
-    (a model pp_dp cannot split, such as one with weights tied across stages)."""
+    shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s}``. Raises what the
+    strategy raised (a model pp_dp cannot split, such as one with weights tied across stages): the caller
+    ends the launch, since another rank may be waiting inside a pipeline step."""
     import torch.distributed as dist
 
     from lit_parallel.advise_verify import peak_dict
 
-    try:
-        peak, step_s = measure_pipeline_step(model, inputs, devices=devices, repeats=repeats)
-    except Exception as err:  # every rank raises alike (the plan is the same everywhere): reported, not fatal
-        return {"error": f"{type(err).__name__}: {err}"}
+    peak, step_s = measure_pipeline_step(model, inputs, devices=devices, repeats=repeats)
     peaks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_dict(peak))
     return {"peaks": peaks, "step_s": step_s}

@@ -11,6 +11,7 @@ measures the all-reduce bus bandwidth there for the communication term.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -199,39 +200,27 @@ def worker(args: argparse.Namespace) -> int:
 
     from lit_parallel.doctor import bus_bandwidth
     from lit_parallel.launch import write_result
-    from lit_parallel.parallel.example_inputs import meta_example_input
     from lit_parallel.parallel.model_summary import load_model_class
 
     factory = load_model_class(args.model)
     kwargs = __import__("json").loads(args.model_kwargs or "{}")
     results: dict[str, Any] = {}
-    for name in args.strategies.split(","):
-        torch.manual_seed(0)
-        model = factory(**kwargs)
-        shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
-        given = torch.empty((args.batch_size or 1, *shape), device="meta") if shape else None
-        ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len, given=given)
-        if name == "pp_dp":  # devices stages, data parallel 1 (a model it cannot cut is reported, not fatal)
-            from lit_parallel.advise_pipeline import pipeline_worker_entry
-
-            inputs = real_inputs(ex.args, vocabulary(model))
-            results[name] = pipeline_worker_entry(model, inputs, devices=args.devices, repeats=args.repeats)
-            continue
+    names = args.strategies.split(",")
+    plain = [n for n in names if n != "pp_dp"]
+    for name in plain:
+        model, inputs = _model_and_inputs(factory, kwargs, args)
         try:
             peak, step_s = measure_step(
-                model, real_inputs(ex.args, vocabulary(model)), strategy=strategy_object(name),
-                devices=args.devices, repeats=args.repeats,
-            )  # fmt: skip
+                model, inputs, strategy=strategy_object(name), devices=args.devices, repeats=args.repeats
+            )
         except Exception as err:  # a strategy this model cannot run: reported, the others still measured
             results[name] = {"error": f"{type(err).__name__}: {err}"}
             continue
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak_dict(peak))
         results[name] = {"peaks": peaks, "step_s": step_s}
-    # what each strategy adds to a step here, on the three calibration models
-    results["calibration"] = {
-        name: calibrate(name, args.devices, args.calibration_repeats) for name in args.strategies.split(",")
-    }
+    # what each strategy adds to a step here, on the calibration models
+    results["calibration"] = {name: calibrate(name, args.devices, args.calibration_repeats) for name in plain}
     # the doctor measurement, here: latency of a tiny all-reduce, bus bandwidth at the gradients' size
     tiny, _ = _all_reduce_seconds(torch.ones(1))
     seconds, n = _all_reduce_seconds(torch.ones(max(1, args.grad_bytes // 4)))
@@ -239,7 +228,48 @@ def worker(args: argparse.Namespace) -> int:
     results["busbw_gbps"] = bus_bandwidth(n * 4, max(1e-9, seconds - tiny), dist.get_world_size())[1]
     if dist.get_rank() == 0:
         write_result(args.result, results)
+    if "pp_dp" in names:
+        _measure_pipeline(factory, kwargs, args, results)
     return 0
+
+
+def _model_and_inputs(factory: Any, kwargs: dict, args: argparse.Namespace) -> tuple[nn.Module, tuple]:
+    from lit_parallel.parallel.example_inputs import meta_example_input
+
+    torch.manual_seed(0)
+    model = factory(**kwargs)
+    shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
+    given = torch.empty((args.batch_size or 1, *shape), device="meta") if shape else None
+    ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len, given=given)
+    return model, real_inputs(ex.args, vocabulary(model))
+
+
+def _measure_pipeline(factory: Any, kwargs: dict, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """pp_dp last (devices stages, data parallel 1): a rank that fails inside a pipeline step leaves the
+    others waiting for its activations, so a failure ends this process at once (torchrun then stops the
+    others) after writing why next to the result; what was measured before is already written."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    from lit_parallel.advise_pipeline import pipeline_worker_entry
+    from lit_parallel.launch import write_result
+
+    try:
+        model, inputs = _model_and_inputs(factory, kwargs, args)
+        results["pp_dp"] = pipeline_worker_entry(model, inputs, devices=args.devices, repeats=args.repeats)
+        results["calibration"]["pp_dp"] = calibrate("pp_dp", args.devices, args.calibration_repeats)
+    except Exception as err:
+        why = f"{type(err).__name__}: {err}"
+        with contextlib.suppress(OSError):
+            with open(f"{args.result}.error.{dist.get_rank()}", "w") as f:
+                f.write(why)
+        print(f"lit_parallel advise --verify: pp_dp failed on rank {dist.get_rank()}: {why}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    if dist.get_rank() == 0:
+        write_result(args.result, results)
 
 
 def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 7) -> tuple[float, int]:
@@ -274,7 +304,11 @@ def launch(
         argv.append(f"--seq-len={seq_len}")
     if input_shape:
         argv.append(f"--input-shape={','.join(map(str, input_shape))}")
-    return run_ranks("lit_parallel.advise_verify", ranks, argv, timeout=timeout)
+    results = run_ranks("lit_parallel.advise_verify", ranks, argv, timeout=timeout, partial=True)
+    errors = results.pop("launch_errors", None)
+    if errors is not None and "pp_dp" not in results:  # pp_dp runs last: the launch ended there
+        results["pp_dp"] = {"error": "; ".join(errors) or "the launch failed in pp_dp (see the output above)"}
+    return results
 
 
 def _worker_parser() -> argparse.ArgumentParser:

@@ -24,9 +24,11 @@ def free_port() -> int:
 
 
 def run_ranks(
-    module: str, nprocs: int, worker_args: list[str], *, timeout: float | None = None
+    module: str, nprocs: int, worker_args: list[str], *, timeout: float | None = None, partial: bool = False
 ) -> dict[str, Any]:
-    """Start ``python -m module --worker --result FILE *worker_args`` on ``nprocs`` ranks; return rank 0's JSON."""
+    """Start ``python -m module --worker --result FILE *worker_args`` on ``nprocs`` ranks; return rank 0's JSON.
+    ``partial``: when the launch fails after rank 0 wrote a result, return it with ``launch_errors`` (the
+    texts the ranks wrote to ``FILE.error.<rank>``) instead of raising."""
     if nprocs < 1:
         raise ValueError(f"--devices={nprocs} must be at least 1")
     with tempfile.TemporaryDirectory(prefix="lit-parallel-") as tmp:
@@ -51,6 +53,10 @@ def run_ranks(
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         proc = subprocess.run(cmd, env=env, timeout=timeout, check=False)
+        if proc.returncode != 0 and partial and result.exists():
+            data = json.loads(result.read_text())
+            data["launch_errors"] = [p.read_text() for p in sorted(Path(tmp).glob("result.json.error.*"))]
+            return data
         if proc.returncode != 0:
             raise RuntimeError(
                 f"{module} failed on {nprocs} ranks (exit code {proc.returncode}); see the output above"

@@ -179,3 +179,46 @@ def test_pipeline_rule_holds_only_when_the_model_fits_cut_into_stages_across_nod
     assert (
         pipeline_check(advise(params=700e9, devices=8, nodes=4, memory_gb=80))[0] is False
     )  # 350 GB per stage
+
+
+def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects():
+    """A ResNet's later stages widen the channels; on the first pipeline stage the head (another stage's) and
+    the later blocks run as skips, so the head must see the shape the later blocks make, not its input's."""
+    import copy
+
+    from lit_parallel.parallel.pipeline_stage import build_stage_modules
+
+    class Widen(nn.Module):
+        def __init__(self, cin: int, cout: int) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.conv(x))
+
+    class ResNetLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(1, 8, 3, padding=1)
+            self.stages = nn.Sequential(Widen(8, 8), Widen(8, 16), Widen(16, 32))
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pooled = nn.functional.adaptive_avg_pool2d(self.stages(self.stem(x)), 1)
+            return self.head(torch.flatten(pooled, 1))
+
+    torch.manual_seed(0)
+    model = ResNetLike()  # blocks 8 -> 16 -> 32 channels, head Linear(32, 10)
+    reference = copy.deepcopy(model)
+    plan = plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="1F1B", microbatches=2)
+    first = plan.stages[0]
+    assert first.blocks[-1] != "stages.2"  # the last block (and the head) belong to the second stage
+    stage = build_stage_modules(model, plan, pp_rank=0)[0]
+    stage.register_hooks()
+    x = torch.randn(4, 1, 8, 8)
+    activation, inputs = stage(x)
+    # the activation is the first stage's last block's output, computed on the unpruned copy
+    h = reference.stem(x)
+    for name in first.blocks:
+        h = reference.get_submodule(name)(h)
+    assert torch.equal(activation, h) and torch.equal(inputs, x)

@@ -9,7 +9,8 @@ so parameter names and state-dict keys stay those of the whole model and checkpo
   :class:`_Skip` that returns zeros of the right shape; the first block's input is then replaced by the
   activation received from the previous stage;
 - after its last block (on stages before the last), the block's output is taken as the stage's output and
-  the rest of ``forward`` runs on :class:`_Skip` zeros (cheap, and discarded).
+  the rest of ``forward`` runs on :class:`_Skip` zeros (cheap, and discarded): later stages' blocks too, so
+  a head after blocks that change the shape (a ResNet's wider stages) gets the shape it expects.
 
 Stages other than the first also receive the micro-batch's inputs from the previous stage (token ids are
 small), so code in ``forward`` that reads them (shapes, masks) sees the real values. A module that would be
@@ -91,8 +92,9 @@ class StageModule(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, plan: PipelinePlan, stage: StagePlan, skips: dict, state: _StageState
-    ):
+        self, model: nn.Module, plan: PipelinePlan, stage: StagePlan, skips: dict, state: _StageState,
+        block_skips: dict[str, _Skip] | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.plan = stage
         self.is_last = stage.index == plan.num_stages - 1
@@ -102,6 +104,10 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_container", modules[plan.container] if plan.container else model)
         self._blocks = {name.rsplit(".", 1)[-1]: modules[name] for name in stage.blocks}
+        if not self.is_last:  # later stages' blocks run as skips: the suffix sees the shapes they make
+            order = [n.rsplit(".", 1)[-1] for s in plan.stages for n in s.blocks]
+            later = order[order.index(stage.blocks[-1].rsplit(".", 1)[-1]) + 1 :]
+            self._blocks.update({k: block_skips[k] for k in later})
         object.__setattr__(self, "_first", modules[stage.blocks[0]])
         object.__setattr__(self, "_last", modules[stage.blocks[-1]])
         self._state = state
@@ -196,7 +202,9 @@ def build_stage_modules(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> l
             if name not in kept:
                 parent._modules[attr] = skip  # free the pieces of other ranks' stages
     container = modules[plan.container] if plan.container else model
+    # every block as a skip (a parameter-free meta copy), made before other stages' blocks are freed
+    block_skips = {n.rsplit(".", 1)[-1]: _Skip(n, modules[n], state) for s in plan.stages for n in s.blocks}
     container._modules = {
         k: m for k, m in container._modules.items() if f"{plan.container}.{k}".lstrip(".") in kept
     }
-    return [StageModule(model, plan, stage, others, state) for stage in mine]
+    return [StageModule(model, plan, stage, others, state, block_skips) for stage in mine]
