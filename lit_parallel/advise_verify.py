@@ -206,6 +206,8 @@ def worker(args: argparse.Namespace) -> int:
     kwargs = __import__("json").loads(args.model_kwargs or "{}")
     results: dict[str, Any] = {}
     names = args.strategies.split(",")
+    if not dist.is_initialized():  # the Trainers below use it as it is; the bandwidth measurement needs it
+        dist.init_process_group("gloo")
     plain = [n for n in names if n != "pp_dp"]
     for name in plain:
         model, inputs = _model_and_inputs(factory, kwargs, args)

@@ -9,8 +9,9 @@ so parameter names and state-dict keys stay those of the whole model and checkpo
   :class:`_Skip` that returns zeros of the right shape; the first block's input is then replaced by the
   activation received from the previous stage;
 - after its last block (on stages before the last), the block's output is taken as the stage's output and
-  the rest of ``forward`` runs on :class:`_Skip` zeros (cheap, and discarded): later stages' blocks too, so
-  a head after blocks that change the shape (a ResNet's wider stages) gets the shape it expects.
+  the rest of ``forward`` runs on :class:`_Skip` zeros (cheap, and discarded); blocks in an ``nn.Sequential``
+  run on to the later stages' blocks as skips too, so a head after blocks that change the shape (a ResNet's
+  wider stages) gets the shape it expects.
 
 Stages other than the first also receive the micro-batch's inputs from the previous stage (token ids are
 small), so code in ``forward`` that reads them (shapes, masks) sees the real values. A module that would be
@@ -104,7 +105,9 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_container", modules[plan.container] if plan.container else model)
         self._blocks = {name.rsplit(".", 1)[-1]: modules[name] for name in stage.blocks}
-        if not self.is_last:  # later stages' blocks run as skips: the suffix sees the shapes they make
+        if not self.is_last and isinstance(self._container, nn.Sequential):
+            # a Sequential runs as one call: later stages' blocks run as skips so that what follows it sees
+            # the shapes they make (a ResNet's wider stages); a ModuleList's loop just ends at this stage
             order = [n.rsplit(".", 1)[-1] for s in plan.stages for n in s.blocks]
             later = order[order.index(stage.blocks[-1].rsplit(".", 1)[-1]) + 1 :]
             self._blocks.update({k: block_skips[k] for k in later})
