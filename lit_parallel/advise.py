@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from lit_parallel.parallel.advisor import PRECISIONS, Advice, advise
 from lit_parallel.parallel.formatting import format_bytes
 from lit_parallel.parallel.precision import PRECISION_ALIASES, canonical_precision
@@ -272,7 +274,7 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
             costs=getattr(args, "cluster_costs", None),
         )
     except NoExampleInput as err:
-        console.print(f"[yellow]note[/yellow]: no peak prediction: {err}")
+        console.print(f"[yellow]note[/yellow]: no peak prediction: {escape(str(err))}")
         return {"prediction": None}
     print_prediction(pred, console)
     out: dict[str, Any] = {"prediction": pred.as_dict()}
@@ -350,6 +352,6 @@ def print_advice(a: Advice) -> None:
         ' strategy="auto_parallel" to decide at setup'
     )
     for note in a.model.notes if a.model is not None else ():
-        console.print(f"[yellow]note[/yellow]: {note}")
+        console.print(f"[yellow]note[/yellow]: {escape(note)}")
     for warning in a.warnings:
         console.print(f"[red]warning[/red]: {warning}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich.markup import escape
 from torch import nn
 
 from lit_parallel.parallel.calibration import StrategyCost, calibration_slots, fit_costs, fit_pipeline_cost
@@ -202,9 +203,9 @@ def print_prediction(pred: Prediction, console: Any) -> None:
         console.print(f"pp_dp: {r.pipeline.layout.describe()}; the row is its largest stage (stage"
                       f" {r.pipeline.off.stage}); bubble and stage boundary transfers are in its step time")  # fmt: skip
     if r.checkpointing_note:
-        console.print(f"[yellow]note[/yellow]: {r.checkpointing_note}")
+        console.print(f"[yellow]note[/yellow]: {escape(r.checkpointing_note)}")
     for note in [*r.notes, *pred.notes]:
-        console.print(f"[yellow]note[/yellow]: {note}")
+        console.print(f"[yellow]note[/yellow]: {escape(note)}")
 
 
 # --- verification ----------------------------------------------------------------------------------------
@@ -270,7 +271,7 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
             if strategy in ("busbw_gbps", "latency_s", "calibration"):
                 continue
             if "error" in got:
-                console.print(f"[yellow]note[/yellow]: {strategy} not measured: {got['error']}")
+                console.print(f"[yellow]note[/yellow]: {strategy} not measured: {escape(got['error'])}")
                 continue
             if (
                 strategy not in multi.report.peaks

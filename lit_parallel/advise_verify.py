@@ -309,7 +309,9 @@ def launch(
     results = run_ranks("lit_parallel.advise_verify", ranks, argv, timeout=timeout, partial=True)
     errors = results.pop("launch_errors", None)
     if errors is not None and "pp_dp" not in results:  # pp_dp runs last: the launch ended there
-        results["pp_dp"] = {"error": "; ".join(errors) or "the launch failed in pp_dp (see the output above)"}
+        # the rank that failed first says why; the others only lost their connection to it
+        causes = [e for e in errors if "Connection closed" not in e and "Connection reset" not in e] or errors
+        results["pp_dp"] = {"error": "; ".join(causes) or "the launch failed in pp_dp (see the output above)"}
     return results
 
 
