@@ -9,7 +9,6 @@ second step, as for the other strategies); the stage with the largest peak is th
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch
@@ -60,13 +59,8 @@ def measure_pipeline_step(
     """Train ``model`` under ``pp_dp`` (``devices`` stages, data parallel 1) for ``4 + repeats`` steps on
     ``inputs``; this rank's peak of the fourth step and the median of the later steps. Call in every rank of a
     launch of ``devices`` ranks. Returns ``(peak, seconds)``."""
-    import logging
-    import warnings
-
-    import lightning as L
-
     import lit_parallel as lp
-    from lit_parallel.advise_verify import _probe
+    from lit_parallel.advise_verify import measure_step
 
     batch = next(a for a in inputs if isinstance(a, torch.Tensor)).shape[0]
     m = microbatches or pipeline_microbatches(batch, devices)
@@ -76,26 +70,9 @@ def measure_pipeline_step(
             f" which pp_dp with {devices} stages (1F1B) needs; use a batch size divisible by {devices}"
         )
     strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=devices, microbatches=m, schedule=schedule)
-    probe = _probe(track_batch=3)
-    for name in ("lightning.pytorch", "lightning.fabric", "lit_parallel"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=4 + repeats,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-        use_distributed_sampler=False,
+    return measure_step(
+        model, inputs, strategy=strategy, devices=devices, repeats=repeats, module=_pipeline_module(model)
     )
-    loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
-    trainer.fit(_pipeline_module(model), loader)
-    return probe.peak, statistics.median(probe.times)
 
 
 def pipeline_step_s(pred: Any) -> dict[str, float | None]:

@@ -107,17 +107,19 @@ def _probe(track_batch: int):
 
 
 def measure_step(
-    model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = 5
-):
+    model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = 5,
+    module: Any = None,
+):  # fmt: skip
     """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the median of
-    the ``repeats`` after it. Returns ``(peak, median seconds)``."""
+    the ``repeats`` after it. Returns ``(peak, median seconds)``. ``module``: the LightningModule to fit
+    around ``model`` (default: forward, the planner's loss, AdamW)."""
     import logging
     import warnings
 
     import lightning as L
 
     probe = _probe(track_batch=3)
-    for name in ("lightning.pytorch", "lightning.fabric"):  # the tips and device banners of every Trainer
+    for name in ("lightning.pytorch", "lightning.fabric", "lit_parallel"):  # every Trainer's tips and banners
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     trainer = L.Trainer(
@@ -134,7 +136,7 @@ def measure_step(
         use_distributed_sampler=False,  # every rank steps every batch: the measured steps are all there
     )
     loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
-    trainer.fit(_lightning_module(model), loader)
+    trainer.fit(module if module is not None else _lightning_module(model), loader)
     return probe.peak, statistics.median(probe.times)
 
 
