@@ -303,21 +303,7 @@ def predict_peaks(
     blocks = [module.get_submodule(n) for n in block_names]
     shape = ModelShape.of(module, blocks)
     kw = {"batch_size": batch_size, "seq_len": seq_len, "example_inputs": example_inputs}
-    sims, failed = {}, ""
-    for prec in dict.fromkeys([precision, "32-true", "bf16-mixed"]):
-        for ac in (False, True) if block_names else (False,):
-            try:
-                sims[(prec, ac)] = simulate_step(
-                    module,
-                    dtype=_compute_dtype(prec),
-                    block_names=block_names,
-                    activation_checkpointing=ac,
-                    **kw,
-                )
-            except RuntimeError as err:  # checkpointing a block the model cannot recompute (T5 on meta)
-                if not ac:
-                    raise
-                failed = f"activation checkpointing not simulated: {str(err).splitlines()[0]}"
+    sims, failed = _simulations(module, precision, list(block_names), kw)
     sim = sims[(precision, False)]
     report = PeakReport(precision, devices, nodes, sim.batch_size, sim.input_description, shape)
     report.checkpointing_note = failed
@@ -347,6 +333,29 @@ def predict_peaks(
     add_pipeline_peaks(report, module, list(block_names), precision=precision, device_type=device_type,
                        seq_len=seq_len, example_inputs=example_inputs)  # fmt: skip
     return report
+
+
+def _simulations(
+    module: nn.Module, precision: str, block_names: list[str], kw: dict
+) -> tuple[dict[tuple[str, bool], StepSimulation], str]:
+    """One simulated step per (precision, activation checkpointing); and why checkpointing was not
+    simulated, when a block cannot be recomputed on meta (T5)."""
+    sims, failed = {}, ""
+    for prec in dict.fromkeys([precision, "32-true", "bf16-mixed"]):
+        for ac in (False, True) if block_names else (False,):
+            try:
+                sims[(prec, ac)] = simulate_step(
+                    module,
+                    dtype=_compute_dtype(prec),
+                    block_names=block_names,
+                    activation_checkpointing=ac,
+                    **kw,
+                )
+            except RuntimeError as err:  # checkpointing a block the model cannot recompute (T5 on meta)
+                if not ac:
+                    raise
+                failed = f"activation checkpointing not simulated: {str(err).splitlines()[0]}"
+    return sims, failed
 
 
 def _block_share(module: nn.Module, blocks: list[nn.Module], precision: str, kw: dict) -> float:

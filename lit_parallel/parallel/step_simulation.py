@@ -110,6 +110,36 @@ class StepSimulation:
     input_description: str
 
 
+class _BlockMoments:
+    """Forward hooks on the blocks: what is live (activations, temporaries) at each block's start, and the
+    peak segments inside each block and between it and the next (or the model's end)."""
+
+    def __init__(self, tracker: Any, blocks: list[nn.Module]) -> None:
+        self.tracker = tracker
+        self.starts: list[tuple[float, float]] = []
+        self.inside: list[tuple[float, float]] = []
+        self.after: list[tuple[float, float]] = []
+        self.handles = [b.register_forward_pre_hook(self._at_start) for b in blocks]
+        self.handles += [b.register_forward_hook(self._at_end) for b in blocks]
+
+    def _at_start(self, module: nn.Module, inputs: Any) -> None:
+        if self.starts:
+            self.after.append(self.tracker.segment())
+        now = self.tracker.snapshot().by_category
+        self.starts.append((float(now["activations"]), float(now["temporaries"])))
+        self.tracker.segment()
+
+    def _at_end(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        self.inside.append(self.tracker.segment())
+
+    def finish(self) -> None:
+        """At the end of forward: remove the hooks, close the last block's segment."""
+        for h in self.handles:
+            h.remove()
+        if self.starts:
+            self.after.append(self.tracker.segment())
+
+
 def simulate_step(
     module: nn.Module,
     *,
@@ -142,29 +172,10 @@ def simulate_step(
     tracker = _Segments(list(meta.parameters()), exact=False)
     # fused attention is simulated without checkpointing only: recomputation must see the same ops
     attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
-    starts: list[tuple[float, float]] = []
-
-    inside: list[tuple[float, float]] = []
-    after: list[tuple[float, float]] = []
-
-    def at_start(module: nn.Module, inputs: Any) -> None:
-        if starts:
-            after.append(tracker.segment())
-        now = tracker.snapshot().by_category
-        starts.append((float(now["activations"]), float(now["temporaries"])))
-        tracker.segment()
-
-    def at_end(module: nn.Module, inputs: Any, output: Any) -> None:
-        inside.append(tracker.segment())
-
-    handles = [b.register_forward_pre_hook(at_start) for b in blocks]
-    handles += [b.register_forward_hook(at_end) for b in blocks]
+    moments = _BlockMoments(tracker, blocks)
     with attention, tracker:
         output = target(*args)
-        for h in handles:
-            h.remove()
-        if starts:
-            after.append(tracker.segment())
+        moments.finish()
         now = tracker.snapshot().by_category
         model_end = (float(now["activations"]), float(now["temporaries"]))
         loss = default_loss(output, args)
@@ -179,10 +190,10 @@ def simulate_step(
     return StepSimulation(
         forward_peak=forward_peak,
         backward_peak=tracker.peak,
-        block_starts=tuple(starts),
+        block_starts=tuple(moments.starts),
         model_end=model_end,
-        block_inside=tuple(inside),
-        block_after=tuple(after),
+        block_inside=tuple(moments.inside),
+        block_after=tuple(moments.after),
         block_grads_done=tuple(done[i] for i in sorted(done)),
         saved_bytes=float(saved),
         grad_bytes=float(grads),
