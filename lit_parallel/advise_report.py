@@ -24,9 +24,8 @@ from lit_parallel.parallel.peak import LABELS, PeakReport, predict_peaks
 from lit_parallel.parallel.step_time import StepTime, collectives_per_step, comm_seconds, predict_step_time
 
 MEMORY_TARGET, TIME_TARGET = 0.10, 0.25  # the planner's published error targets
-STEP_TIME_BLOCK_LIMIT = (
-    0.05  # time a block (or the whole model) only when it takes less than this share of RAM
-)
+# time the whole model (or else its largest block) only when it takes less than this share of RAM
+STEP_TIME_BLOCK_LIMIT = 0.05
 # strategies never measured in a launch priced with the measured cost of the closest one
 _COST_OF = {"hsdp": "fsdp_blocks", "tp_dp": "fsdp_blocks"}
 
@@ -273,9 +272,7 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
             if "error" in got:
                 console.print(f"[yellow]note[/yellow]: {strategy} not measured: {escape(got['error'])}")
                 continue
-            if (
-                strategy not in multi.report.peaks
-            ):  # e.g. pp_dp on a model it does not predict (notes say why)
+            if strategy not in multi.report.peaks:  # pp_dp on a model it does not predict: the notes say why
                 continue
             measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
             rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
