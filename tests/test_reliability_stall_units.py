@@ -214,7 +214,10 @@ _CHILD = textwrap.dedent(
     spec.loader.exec_module(module)
     SignalExit = module.SignalExit
     grandchild = subprocess.Popen(
-        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        # SIGINT's default action even when this runs with it ignored (a shell's background job): Python
+        # leaves an inherited "ignored" in place, and the grandchild would outlive the signal
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL);"
+         " print('up', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
     assert grandchild.stdout.readline().strip() == b"up"  # past its start-up: the signal finds it sleeping
