@@ -99,13 +99,12 @@ def memory_rows(
     inside = params if tp_split_params is None else tp_split_params
     frac = inside / params if params else 1.0
     # TP+DP: block parameters are split over tp and sharded over dp (1/world); the rest only over dp.
-    blk = split("zero3", world, world)
+    zero3 = split("zero3", world, world)
     rest = split("zero3", dp, dp)
-    tp_row = tuple(frac * x + (1 - frac) * y for x, y in zip(blk, rest))
+    tp_row = tuple(frac * x + (1 - frac) * y for x, y in zip(zero3, rest))
     # ZeRO-2 as lit_parallel runs it (FSDP2 without resharding after forward): ZeRO-3's shards, and every
     # parameter gathered (full, in the stored dtype) from forward until its gradient is reduce-scattered
-    shards = split("zero3", world, world)
-    zero2 = (shards[0] + params * b.params, shards[1], shards[2])
+    zero2 = (zero3[0] + params * b.params, zero3[1], zero3[2])
     return [
         ("DDP", "ddp_tuned", "nothing sharded", *split("ddp", None, world)),
         ("ZeRO-1", None, f"optimizer state / {world}", *split("zero1", world, world)),
@@ -115,7 +114,7 @@ def memory_rows(
             f"everything / {world}; parameters also gathered in full from forward to backward",
             *zero2,
         ),
-        ("FSDP/ZeRO-3", "fsdp_blocks", f"everything / {world}", *split("zero3", world, world)),
+        ("FSDP/ZeRO-3", "fsdp_blocks", f"everything / {world}", *zero3),
         (
             "HSDP",
             "hsdp",
