@@ -54,13 +54,13 @@ def measure_pipeline_step(
     devices: int,
     microbatches: int | None = None,
     schedule: str = PIPELINE_SCHEDULE,
-    repeats: int = 5,
+    repeats: int | None = None,
 ):
     """Train ``model`` under ``pp_dp`` (``devices`` stages, data parallel 1) for ``4 + repeats`` steps on
     ``inputs``; this rank's peak of the fourth step and the median of the later steps. Call in every rank of a
     launch of ``devices`` ranks. Returns ``(peak, seconds)``."""
     import lit_parallel as lp
-    from lit_parallel.advise_verify import measure_step
+    from lit_parallel.advise_verify import STEP_REPEATS, measure_step
 
     batch = next(a for a in inputs if isinstance(a, torch.Tensor)).shape[0]
     m = microbatches or pipeline_microbatches(batch, devices)
@@ -71,36 +71,51 @@ def measure_pipeline_step(
         )
     strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=devices, microbatches=m, schedule=schedule)
     return measure_step(
-        model, inputs, strategy=strategy, devices=devices, repeats=repeats, module=_pipeline_module(model)
+        model,
+        inputs,
+        strategy=strategy,
+        devices=devices,
+        repeats=repeats or STEP_REPEATS,
+        module=_pipeline_module(model),
     )
 
 
 def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     """``pp_dp``'s seconds of one step for an ``advise`` prediction (the shape of ``Prediction.step_s``):
-    the largest stage's compute over the step's micro-batches with the bubble
-    (:func:`~lit_parallel.parallel.peak_pipeline.pipeline_step_time`), its AdamW step, the stage boundary
-    transfers (and FSDP2's collectives over the stage's data-parallel ranks) at the measured latency and
-    bandwidth, Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no pipeline)."""
-    from lit_parallel.parallel.peak_pipeline import pipeline_step_time
+    each stage's compute per micro-batch from its share of the ops and FLOPs
+    (:mod:`~lit_parallel.parallel.pipeline_time`), the schedule over them (the slowest stage busy, the others
+    once: the bubble), the largest stage's AdamW step, the stage boundary transfers (and FSDP2's
+    collectives over the stage's data-parallel ranks) at the measured latency and bandwidth, the measured
+    bookkeeping per slot, Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no
+    pipeline)."""
+    from lit_parallel.parallel.pipeline_time import StageWork, uneven_pipeline_step
     from lit_parallel.parallel.step_time import comm_seconds
 
     pipe, t = pred.report.pipeline, pred.timing
     if t is None or pipe is None:
         return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
     lay, share = pipe.layout, pipe.stage_share
-    # every micro-batch dispatches the stage's ops again; the FLOPs are those of the whole batch
-    stage_s = share * (t.ops * lay.microbatches * t.op_s + t.flops * t.flop_s)
+    m = lay.microbatches
+    # without a count per stage: stages equal, as their parameters (one stage's groups: its blocks + root)
+    work = pred.stage_work or [StageWork(share, share, round(share * (pred.groups - 1)) + 1)] * lay.stages
+    # every micro-batch dispatches the stage's ops again; its FLOPs are 1/M of the step's
+    slot_s = [w.ops * t.ops * t.op_s + w.flops * t.flops / m * t.flop_s for w in work]
     cost = (pred.costs or {}).get("pp_dp")  # measured per slot by advise --verify's calibration
-    time = pipeline_step_time(stage_s, microbatches=lay.microbatches, stages=lay.stages, schedule=lay.schedule,
-                              boundary_bytes=pipe.boundary_bytes, latency_s=pred.latency_s,
-                              bandwidth_gbps=pred.busbw_gbps, slot_overhead_s=cost.slot_s if cost else 0.0)  # fmt: skip
+    groups = max(w.groups for w in work)
+    transfer = 0.0
+    if lay.stages > 1:
+        transfer = pred.latency_s + (
+            pipe.boundary_bytes / (pred.busbw_gbps * 1e9) if pred.busbw_gbps else 0.0
+        )
+    time = uneven_pipeline_step(slot_s, microbatches=m, transfer_s=transfer,
+                                overhead_per_slot_s=cost.slot_s + cost.group_s * groups if cost else 0.0)  # fmt: skip
     opt = share * (t.tensors * t.optimizer_tensor_s + t.elements / lay.data_parallel * t.optimizer_element_s)
     comm = time.p2p_s + time.overhead_s  # transfers and the schedule's per-slot bookkeeping
     if pred.busbw_gbps and lay.data_parallel > 1:
         grad = 4 if pred.report.precision == "32-true" else 2
         comm += comm_seconds("fsdp_blocks", round(share * pred.report.shape.params), devices=lay.data_parallel,
                              nodes=1, grad_bytes=grad, busbw_gbps=pred.busbw_gbps, latency_s=pred.latency_s,
-                             groups=pred.groups)  # fmt: skip
+                             groups=groups)  # fmt: skip
     compute = time.compute_s + time.bubble_s
     return {
         "compute_s": compute,
@@ -111,7 +126,7 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
 
 
 def pipeline_worker_entry(
-    model: nn.Module, inputs: tuple, *, devices: int, repeats: int = 5
+    model: nn.Module, inputs: tuple, *, devices: int, repeats: int | None = None
 ) -> dict[str, Any]:
     """``pp_dp`` measured in every rank of an ``advise --verify`` launch (``devices`` ranks = stages), in the
     shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s}``. Raises what the

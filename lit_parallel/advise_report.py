@@ -17,7 +17,7 @@ import torch
 from rich.markup import escape
 from torch import nn
 
-from lit_parallel.parallel.calibration import StrategyCost, calibration_slots, fit_costs, fit_pipeline_cost
+from lit_parallel.parallel.calibration import StrategyCost, fit_costs, fit_pipeline_cost
 from lit_parallel.parallel.formatting import format_bytes
 from lit_parallel.parallel.live_memory import CATEGORIES
 from lit_parallel.parallel.peak import LABELS, PeakReport, predict_peaks
@@ -43,6 +43,8 @@ class Prediction:
     groups: int = 1
     costs: dict[str, StrategyCost] | None = None
     notes: list[str] = field(default_factory=list)
+    buffers: bool = False  # the model has buffers (DDP broadcasts them every step)
+    stage_work: list[Any] | None = None  # pp_dp: each stage's share of the ops and FLOPs (pipeline_time.py)
 
     def step_s(self, strategy: str) -> dict[str, float | None]:
         """Seconds of one step: compute + optimizer (divided where sharded) + communication + Lightning's
@@ -88,7 +90,7 @@ class Prediction:
         calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
         more_calls = max(0, calls - 1) if strategy == "ddp_tuned" else 0
         return more_calls * self.latency_s + cost.seconds(
-            self.groups, self.timing.tensors, r.shape.params * grad
+            self.groups, self.timing.tensors, r.shape.params * grad, buffers=self.buffers
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -147,8 +149,23 @@ def predict(
                            seq_len=seq_len, block_names=names, device_type=device_type,
                            example_inputs=given(batch_size or 1) if given else None)  # fmt: skip
     pred = Prediction(
-        name, report, busbw_gbps=busbw_gbps, latency_s=latency_s, groups=len(names) + 1, costs=costs
+        name,
+        report,
+        busbw_gbps=busbw_gbps,
+        latency_s=latency_s,
+        groups=len(names) + 1,
+        costs=costs,
+        buffers=any(True for _ in module.buffers()),
     )
+    if report.pipeline is not None:
+        from lit_parallel.parallel.peak_pipeline import _micro_batch_args
+        from lit_parallel.parallel.pipeline_time import pipeline_stage_work
+
+        lay = report.pipeline.layout
+        whole = given(report.batch_size) if given else None
+        pred.stage_work = pipeline_stage_work(
+            module, names, lay, _micro_batch_args(module, lay.micro_batch, seq_len, whole)
+        )
     if not step_time:
         return pred
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -211,9 +228,10 @@ def print_prediction(pred: Prediction, console: Any) -> None:
 
 
 def error_rows(
-    strategy: str, predicted: Any, measured: Any, step_pred: float | None, step_meas: float
+    strategy: str, predicted: Any, measured: Any, step_pred: dict[str, float | None], step_meas: float
 ) -> list[dict]:
-    """One row per figure: predicted, measured, relative error, within target."""
+    """One row per figure: predicted, measured, relative error, within target; ``step_pred`` is
+    :meth:`Prediction.step_s`'s split (the step row keeps it as ``parts``)."""
     rows = []
     for cat in (*CATEGORIES, "total"):
         pv = predicted.total if cat == "total" else getattr(predicted, cat)
@@ -221,17 +239,17 @@ def error_rows(
         err = abs(pv - mv) / mv if mv else (0.0 if pv == 0 else None)
         rows.append({"strategy": strategy, "figure": f"peak {cat}", "predicted": pv, "measured": mv, "error": err,
                      "ok": None if cat != "total" else err is not None and err <= MEMORY_TARGET})  # fmt: skip
-    if step_pred is not None:
-        err = abs(step_pred - step_meas) / step_meas
-        rows.append({"strategy": strategy, "figure": "step time s", "predicted": step_pred, "measured": step_meas,
-                     "error": err, "ok": err <= TIME_TARGET})  # fmt: skip
+    if step_pred["step_s"] is not None:
+        err = abs(step_pred["step_s"] - step_meas) / step_meas
+        rows.append({"strategy": strategy, "figure": "step time s", "predicted": step_pred["step_s"],
+                     "measured": step_meas, "error": err, "ok": err <= TIME_TARGET, "parts": step_pred})  # fmt: skip
     return rows
 
 
 def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[list[dict], dict[str, Any]]:
     """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction.
     Returns the rows and what the launch measured of the cluster (bus bandwidth, latency, strategy costs)."""
-    from lit_parallel.advise_verify import calibrate, launch, measure_step, peak_from, real_inputs, vocabulary
+    from lit_parallel.advise_verify import launch, measure_step, peak_from, real_inputs, vocabulary
     from lit_parallel.parallel.example_inputs import meta_example_input
     from lit_parallel.parallel.model_summary import load_model_class
 
@@ -246,28 +264,28 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                   input_shape=args.input_shape)  # fmt: skip
     peak, step_s = measure_step(model, real_inputs(ex.args, vocabulary(model)))
     cluster: dict[str, Any] = {}
-    rows = error_rows(
-        "one_process", one.report.peaks["one_process"], peak, one.step_s("one_process")["step_s"], step_s
-    )
+    rows = error_rows("one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s)
     if args.verify_ranks > 1:
         n = args.verify_ranks
         res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=n, batch_size=args.batch_size,
                      seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
-                     input_shape=args.input_shape)  # fmt: skip
+                     input_shape=args.input_shape, timing_unit=(one.timing.block_name or '') if one.timing else None)  # fmt: skip
         multi = predict(path, kwargs, precision="32-true", devices=n, nodes=1, batch_size=args.batch_size,
                         seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
                         latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
-        multi.timing, multi.overhead_s = one.timing, one.overhead_s
-        one_cal = calibrate()
+        # the compute, AdamW, Lightning's overhead and the calibration shapes in one process, as timed in the
+        # launch (every rank at once): the ranks' own speed on this machine
+        alone = res["alone"]
+        multi.timing = StepTime(**alone["timing"]) if alone["timing"] else None
+        multi.overhead_s = alone["overhead_s"]
+        one_cal = alone["one_process"]
         multi.costs = fit_costs(one_cal, {k: v for k, v in res["calibration"].items() if k != "pp_dp"})
         if "pp_dp" in res["calibration"]:
-            multi.costs["pp_dp"] = fit_pipeline_cost(
-                one_cal["reference"], res["calibration"]["pp_dp"]["reference"], calibration_slots(n)
-            )
+            multi.costs["pp_dp"] = fit_pipeline_cost(one_cal, res["calibration"]["pp_dp"], n)
         cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
                    "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
         for strategy, got in res.items():
-            if strategy in ("busbw_gbps", "latency_s", "calibration"):
+            if strategy in ("busbw_gbps", "latency_s", "calibration", "alone"):
                 continue
             if "error" in got:
                 console.print(f"[yellow]note[/yellow]: {strategy} not measured: {escape(got['error'])}")
@@ -276,7 +294,7 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                 continue
             measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
             rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
-                               multi.step_s(strategy)["step_s"], got["step_s"])  # fmt: skip
+                               multi.step_s(strategy), got["step_s"])  # fmt: skip
     return rows, cluster
 
 
@@ -302,10 +320,11 @@ def print_verification(rows: list[dict], console: Any) -> None:
 def print_cluster(cluster: dict[str, Any], console: Any) -> None:
     """One line on what the verifying launch measured of this machine's collectives and strategies."""
     costs = "; ".join(
-        f"{name} {c['slot_s'] * 1e3:.2f} ms per pipeline slot"
+        f"{name} {c['slot_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per stage FSDP group, per pipeline slot"
         if name == "pp_dp"
         else f"{name} {c['fixed_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per FSDP group"
         f" + {c['tensor_s'] * 1e6:.0f} us per parameter tensor + {c['byte_s'] * 1e9:.2f} ms per MB of parameters"
+        + (f" + {c['buffers_s'] * 1e3:.2f} ms with buffers" if c.get("buffers_s") else "")
         for name, c in cluster["strategy_costs"].items()
     )
     console.print(f"measured on {cluster['ranks']} ranks: all-reduce {cluster['busbw_gbps']:.3g} GB/s bus bandwidth,"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +21,14 @@ import torch
 from torch import nn
 
 from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
+from lit_parallel.parallel.step_time import typical_seconds
 
 LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "pp_dp")
-CALIBRATION_REPEATS = 9
+CALIBRATION_REPEATS = 15
+STEP_REPEATS = 20  # measured steps after the warm-up (their median is the step time)
+# what a launcher tells a rank: hidden while a rank runs a one-process Trainer (Lightning would join the launch)
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
 
 
 @dataclass
@@ -107,7 +112,7 @@ def _probe(track_batch: int):
 
 
 def measure_step(
-    model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = 5,
+    model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = STEP_REPEATS,
     module: Any = None,
 ):  # fmt: skip
     """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the median of
@@ -137,7 +142,7 @@ def measure_step(
     )
     loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
     trainer.fit(module if module is not None else _lightning_module(model), loader)
-    return probe.peak, statistics.median(probe.times)
+    return probe.peak, typical_seconds(probe.times)
 
 
 def calibrate(
@@ -148,13 +153,15 @@ def calibrate(
     from lit_parallel.parallel.calibration import SHAPES, calibration_input, calibration_model
 
     out = {}
-    if strategy == "pp_dp":  # the reference shape only: its cost is per pipeline slot
+    if strategy == "pp_dp":  # its cost is per pipeline slot and per group of a stage
         from lit_parallel.advise_pipeline import measure_pipeline_step
+        from lit_parallel.parallel.calibration import PIPELINE_SHAPES
 
-        torch.manual_seed(0)
-        _, out["reference"] = measure_pipeline_step(
-            calibration_model("reference"), calibration_input(), devices=devices, repeats=repeats
-        )
+        for name in PIPELINE_SHAPES:
+            torch.manual_seed(0)
+            _, out[name] = measure_pipeline_step(
+                calibration_model(name), calibration_input(), devices=devices, repeats=repeats
+            )
         return out
     for name in SHAPES:
         torch.manual_seed(0)
@@ -211,6 +218,9 @@ def worker(args: argparse.Namespace) -> int:
     if not dist.is_initialized():  # the Trainers below use it as it is; the bandwidth measurement needs it
         dist.init_process_group("gloo")
     plain = [n for n in names if n != "pp_dp"]
+    # what `advise` times in one process, timed here on every rank at once: ranks that share a machine's
+    # cores and memory compute more slowly than one process alone, and that is the compute they will have
+    results["alone"] = measure_alone(args, kwargs)
     for name in plain:
         model, inputs = _model_and_inputs(factory, kwargs, args)
         try:
@@ -235,6 +245,48 @@ def worker(args: argparse.Namespace) -> int:
     if "pp_dp" in names:
         _measure_pipeline(factory, kwargs, args, results)
     return 0
+
+
+@contextlib.contextmanager
+def as_one_process():
+    """Inside a launched rank, Lightning sees no launch meanwhile: a Trainer made here is one process."""
+    hidden = {
+        k: os.environ.pop(k)
+        for k in list(os.environ)
+        if k in _LAUNCH_VARIABLES or k.startswith("TORCHELASTIC")
+    }
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
+def measure_alone(args: argparse.Namespace, kwargs: dict) -> dict[str, Any]:
+    """On every rank at the same moment: the unit `advise` times (``--timing-unit``: a block's name, empty
+    for the whole model, absent for none), AdamW, Lightning's per-step overhead and the calibration shapes in one process
+    (no strategy, no collective). Returns rank 0's figures: ``timing`` (a
+    :class:`~lit_parallel.parallel.step_time.StepTime` as a dict), ``overhead_s`` and ``one_process``
+    (seconds per calibration shape)."""
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    from lit_parallel.advise_report import meta_model, shaped_input
+    from lit_parallel.parallel.step_time import predict_step_time
+
+    _, module, _, _ = meta_model(args.model, kwargs)
+    shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
+    dist.barrier()
+    timing = None
+    if args.timing_unit is not None:
+        timing = predict_step_time(module, block_name=args.timing_unit or None, batch_size=args.batch_size,
+                                   seq_len=args.seq_len, example_inputs=shaped_input(shape))  # fmt: skip
+    with as_one_process():
+        dist.barrier()
+        overhead = lightning_overhead()
+        dist.barrier()
+        one_process = calibrate(None, 1, args.calibration_repeats)
+    return {"timing": asdict(timing) if timing else None, "overhead_s": overhead, "one_process": one_process}
 
 
 def _model_and_inputs(factory: Any, kwargs: dict, args: argparse.Namespace) -> tuple[nn.Module, tuple]:
@@ -276,7 +328,7 @@ def _measure_pipeline(factory: Any, kwargs: dict, args: argparse.Namespace, resu
         write_result(args.result, results)
 
 
-def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 7) -> tuple[float, int]:
+def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 15) -> tuple[float, int]:
     import torch.distributed as dist
 
     dist.all_reduce(buf)
@@ -286,13 +338,14 @@ def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 7) -> tuple[float, int
         start = time.perf_counter()
         dist.all_reduce(buf)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), buf.numel()
+    return typical_seconds(times), buf.numel()
 
 
 def launch(
     model: str, model_kwargs: str | None, *, ranks: int, batch_size: int | None, seq_len: int | None,
-    grad_bytes: int, repeats: int = 5, timeout: float = 600, input_shape: tuple[int, ...] | None = None,
-    calibration_repeats: int = CALIBRATION_REPEATS,
+    grad_bytes: int, repeats: int = STEP_REPEATS, timeout: float = 600,
+    input_shape: tuple[int, ...] | None = None, calibration_repeats: int = CALIBRATION_REPEATS,
+    timing_unit: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Start ``ranks`` processes (torchrun) that measure :data:`LAUNCH_STRATEGIES`; rank 0's results."""
     from lit_parallel.launch import run_ranks
@@ -300,6 +353,8 @@ def launch(
     argv = [f"--model={model}", f"--devices={ranks}", f"--repeats={repeats}", f"--grad-bytes={grad_bytes}"]
     argv.append(f"--strategies={','.join(LAUNCH_STRATEGIES)}")
     argv.append(f"--calibration-repeats={calibration_repeats}")
+    if timing_unit is not None:  # "": the whole model
+        argv.append(f"--timing-unit={timing_unit}")
     if model_kwargs:
         argv.append(f"--model-kwargs={model_kwargs}")
     if batch_size:
@@ -324,7 +379,8 @@ def _worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--model")
     p.add_argument("--model-kwargs")
     p.add_argument("--devices", type=int)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=STEP_REPEATS)
+    p.add_argument("--timing-unit", help="the block advise times (empty: the whole model; absent: none)")
     p.add_argument("--grad-bytes", type=int, default=4 << 20)
     p.add_argument("--calibration-repeats", type=int, default=CALIBRATION_REPEATS)
     p.add_argument("--strategies", default=",".join(LAUNCH_STRATEGIES))

@@ -484,7 +484,7 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_and_fsdp_within_10_percen
     from lit_parallel.advise_verify import LAUNCH_STRATEGIES, launch, peak_from
 
     res = launch("tests.models:GPT", None, ranks=2, batch_size=1, seq_len=None, grad_bytes=4096, repeats=1,
-                 calibration_repeats=1)  # fmt: skip
+                 calibration_repeats=1, timing_unit="")  # fmt: skip
     pred = predict("tests.models:GPT", {}, precision="32-true", devices=2, nodes=1, batch_size=1,
                    seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
     # pp_dp cannot cut one sequence into micro-batches: refused with the rule and the fix, in the
@@ -497,11 +497,14 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_and_fsdp_within_10_percen
     # every strategy ran every calibration shape (lit_parallel/parallel/calibration.py) to a step time
     # pp_dp runs last and failed (see above): the launch ended there, with everything before it measured
     assert set(res["calibration"]) == set(LAUNCH_STRATEGIES) - {"pp_dp"}
-    for strategy, seconds in res["calibration"].items():  # pp_dp: the reference shape (a cost per slot)
-        assert set(seconds) == (
-            {"reference"} if strategy == "pp_dp" else {"reference", "thin", "wide", "heavy"}
-        )
+    for strategy, seconds in res["calibration"].items():
+        assert set(seconds) == {"reference", "thin", "wide", "heavy", "buffered"}
         assert min(seconds.values()) > 0, (strategy, seconds)
+    # what advise times in one process was timed in the launch too, every rank at once: the whole model
+    # (timing_unit ""), Lightning's per-step overhead and every calibration shape without a strategy
+    alone = res["alone"]
+    assert alone["timing"]["block_name"] is None and alone["timing"]["block_s"] > 0
+    assert alone["overhead_s"] > 0 and set(alone["one_process"]) == set(res["calibration"]["ddp_tuned"])
     for strategy in ("ddp_tuned", "zero2", "fsdp_blocks"):
         assert "error" not in res[strategy], res[strategy]
         measured = max((peak_from(d) for d in res[strategy]["peaks"]), key=lambda m: m.total)

@@ -28,11 +28,12 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     # groups / 50 tensors, heavy the reference's groups and tensors and 8,418,560 more bytes
     fixed, group, tensor, per_byte = 3e-3, 2e-3, 50e-6, 1e-9
     heavy_bytes = 4 * (5 * 1024 + 2 * (1024 * 1024 + 1024)) - 240
-    one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3, "heavy": 9e-3}
+    # DDP also broadcasts buffers at every forward: 0.7 ms more for the buffered shape; FSDP2 syncs none
+    one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3, "heavy": 9e-3, "buffered": 1e-3}
     extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor, "wide": fixed + 4 * group + 44 * tensor,
-             "heavy": fixed + heavy_bytes * per_byte}  # fmt: skip
+             "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed + 0.2e-3}  # fmt: skip
     ddp_extra = {"reference": fixed, "thin": fixed + 8 * tensor, "wide": fixed + 44 * tensor,
-                 "heavy": fixed + heavy_bytes * per_byte}  # fmt: skip
+                 "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed + 0.7e-3}  # fmt: skip
     costs = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one},
                             "ddp_tuned": {k: one[k] + ddp_extra[k] for k in one}})  # fmt: skip
     f, d = costs["fsdp_blocks"], costs["ddp_tuned"]
@@ -41,6 +42,8 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     # a model of 13 groups, 100 tensors and 1,000,240 bytes: 3 ms + 10 x 2 ms + 94 x 50 us + 1 ms
     assert f.seconds(13, 100, 1_000_240) == pytest.approx(3e-3 + 20e-3 + 4.7e-3 + 1e-3)
     assert d.seconds(13, 100, 1_000_240) == pytest.approx(3e-3 + 4.7e-3 + 1e-3)
+    assert d.buffers_s == pytest.approx(0.7e-3) and f.buffers_s == 0.0  # FSDP's difference is noise to it
+    assert d.seconds(13, 100, 1_000_240, buffers=True) == pytest.approx(3e-3 + 4.7e-3 + 1e-3 + 0.7e-3)
 
 
 def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_the_fixed_cost():
@@ -125,12 +128,46 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
     assert "no measured_cluster with busbw_gbps, latency_s, strategy_costs in it" in capsys.readouterr().err
 
 
-def test_the_pipeline_cost_is_spread_over_the_slots_of_its_calibration_run():
-    from lit_parallel.parallel.calibration import BATCH, calibration_slots, fit_pipeline_cost
+def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_calibration_runs():
+    from lit_parallel.parallel.calibration import BATCH, calibration_slots, fit_pipeline_cost, stage_groups
 
     # 2 stages: a batch of 8 splits into 8 micro-batches (4 x stages), so 8 + 2 - 1 = 9 slots
     assert BATCH == 8 and calibration_slots(2) == 9
     # 4 stages: 16 micro-batches do not divide 8, 8 do: 8 + 4 - 1 = 11 slots
     assert calibration_slots(4) == 11
-    cost = fit_pipeline_cost(one_process_s=2e-3, pipeline_s=20e-3, slots=9)
-    assert cost.slot_s == pytest.approx(2e-3) and cost.fixed_s == 0.0
+    # on 2 stages, reference (2 blocks) has 1 block + the stage root per stage, thin (6 blocks) 3 + 1
+    assert (stage_groups("reference", 2), stage_groups("thin", 2)) == (2, 4)
+    # a pipeline that costs 1 ms per slot + 0.5 ms per stage group per slot: reference pays 2 ms per slot,
+    # thin 3 ms, over 9 slots each
+    one = {"reference": 2e-3, "thin": 5e-3}
+    pipe = {"reference": 2e-3 + 9 * 2e-3, "thin": 5e-3 + 9 * 3e-3}
+    cost = fit_pipeline_cost(one, pipe, stages=2)
+    assert (cost.slot_s, cost.group_s, cost.fixed_s) == pytest.approx((1e-3, 0.5e-3, 0.0))
+
+
+def test_an_uneven_pipeline_waits_for_its_slowest_stage():
+    from lit_parallel.parallel.pipeline_time import uneven_pipeline_step
+
+    # stages of 0.1 s and 0.3 s per micro-batch, 4 micro-batches: the slow stage is busy 4 x 0.3 s, the
+    # fast one adds its 0.1 s once (filling/draining); 5 slots, each one transfer each way and 10 ms
+    t = uneven_pipeline_step([0.1, 0.3], microbatches=4, transfer_s=1e-3, overhead_per_slot_s=0.01)
+    assert (t.compute_s, t.bubble_s, t.p2p_s, t.overhead_s) == pytest.approx((1.2, 0.1, 5 * 2e-3, 0.05))
+    # equal stages: (M + P - 1) slots of compute, as the equal-stage formula says
+    assert uneven_pipeline_step([0.2, 0.2], microbatches=4).step_s == pytest.approx(5 * 0.2)
+    with pytest.raises(ValueError, match="microbatches=0"):
+        uneven_pipeline_step([0.1], microbatches=0)
+
+
+def test_each_stage_is_charged_the_flops_of_the_pieces_it_runs():
+    import torch
+
+    from lit_parallel.parallel.pipeline_time import stage_work
+
+    # CalibrationNet(2 blocks): inp, blocks.0 | blocks.1 (+ the loss); three Linear(4, 4) of equal FLOPs:
+    # the first stage runs two of them, the second one; the loss (cross-entropy) has no matmul FLOPs
+    model = CalibrationNet(2, 1)
+    work = stage_work(model, [["blocks.0"], ["blocks.1"]], (torch.empty(8, 4, device="meta"),))
+    assert [w.flops for w in work] == pytest.approx([2 / 3, 1 / 3])
+    assert [w.groups for w in work] == [2, 2]  # one block and the stage's root each
+    assert sum(w.ops for w in work) == pytest.approx(1.0)
+    assert work[1].ops > 1 / 3  # the second stage also runs the loss's ops

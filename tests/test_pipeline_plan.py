@@ -222,3 +222,17 @@ def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects(
     for name in first.blocks:
         h = reference.get_submodule(name)(h)
     assert torch.equal(activation, h) and torch.equal(inputs, x)
+    # the skips compute their output's shape on meta once per input shape, not once per micro-batch
+    from lit_parallel.parallel.pipeline_stage import _Skip
+
+    skips = [t[3] for t in stage._others.values()] + [m for m in stage._blocks.values() if isinstance(m, _Skip)]
+    calls: list[str] = []
+    for skip in skips:
+        skip._meta.register_forward_hook(lambda m, a, o, name=skip._name: calls.append(name))
+    again, _ = stage(torch.randn(4, 1, 8, 8))
+    assert calls == [] and again.shape == activation.shape
+    stage(torch.randn(2, 1, 8, 8))  # a new micro-batch shape: each skip that runs works it out once
+    ran = list(calls)
+    assert "head" in ran and "stages.2" in ran
+    stage(torch.randn(2, 1, 8, 8))
+    assert calls == ran

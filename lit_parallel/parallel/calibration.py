@@ -1,4 +1,4 @@
-"""What each strategy adds to a step on this cluster, measured on four tiny models.
+"""What each strategy adds to a step on this cluster, measured on five tiny models.
 
 On a GPU cluster a tiny collective costs microseconds; on CPU ranks (gloo) it costs what the operating
 system's scheduler makes of it, and FSDP2's per-group work (hooks, copies into and out of the flat
@@ -6,21 +6,24 @@ all-gather / reduce-scatter buffers, DTensor dispatch in the optimizer) dominate
 that follows from a bandwidth figure, so it is measured: :class:`CalibrationNet` (``blocks`` residual
 blocks of ``layers`` Linears of ``width`` features) is trained for a few steps in one process and under
 each strategy in a real launch (``lit-parallel advise --verify``); the difference is what the strategy
-adds. Four shapes separate four costs:
+adds. Five shapes separate five costs:
 
 * ``reference`` (2 blocks of 1 layer, width 4): the strategy's fixed cost per step (one bucket, or the
   root group and two block groups);
 * ``thin`` (6 blocks of 1 layer): 4 more FSDP groups and 8 more parameter tensors;
 * ``wide`` (6 blocks of 4 layers): the same groups, 36 more tensors than ``thin``;
-* ``heavy`` (``reference`` at width 1024): the same groups and tensors, about 8.4 MB more parameters.
+* ``heavy`` (``reference`` at width 1024): the same groups and tensors, about 8.4 MB more parameters;
+* ``buffered`` (``reference`` with a buffer): what syncing buffers adds (DDP broadcasts them at every
+  forward; FSDP2 does not).
 
 So ``per tensor = (wide - thin) / 36``, ``per group = (thin - reference - 8 x per tensor) / 4`` and ``per
 byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` groups, ``T`` parameter
 tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
-240) x per byte`` on top of its one-process step: every collective, copy and hook the strategy runs,
-bytes included. DDP has no groups: its per-group cost is 0. ``pp_dp`` runs the ``reference`` shape only:
-what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a cost per slot
-(:func:`fit_pipeline_cost`); its stage boundary transfers are priced by the measured bus bandwidth.
+240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step: every collective, copy and hook the strategy runs,
+bytes included. DDP has no groups: its per-group cost is 0. ``pp_dp`` runs the ``reference`` and
+``thin`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a
+cost per slot and per FSDP group of a stage per slot (:func:`fit_pipeline_cost`); its stage boundary
+transfers are priced by the measured bus bandwidth.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-# name -> (blocks, layers per block, width)
+# name -> (blocks, layers per block, width); "buffered" is "reference" with a buffer (DDP syncs buffers)
 SHAPES: dict[str, tuple[int, int, int]] = {
-    "reference": (2, 1, 4), "thin": (6, 1, 4), "wide": (6, 4, 4), "heavy": (2, 1, 1024)
+    "reference": (2, 1, 4), "thin": (6, 1, 4), "wide": (6, 4, 4), "heavy": (2, 1, 1024), "buffered": (2, 1, 4)
 }  # fmt: skip
 FEATURES = 4
 BATCH = 8
@@ -54,10 +57,12 @@ class CalibrationNet(nn.Module):
     """``Linear(4, width)`` then ``blocks`` :class:`Residual` blocks of ``layers`` Linears each (a chain of
     blocks, so ``pp_dp`` can cut it into stages as well)."""
 
-    def __init__(self, blocks: int, layers: int, width: int = FEATURES) -> None:
+    def __init__(self, blocks: int, layers: int, width: int = FEATURES, buffer: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(FEATURES, width)
         self.blocks = nn.ModuleList(Residual(layers, width) for _ in range(blocks))
+        if buffer:  # state that is not a parameter (running statistics, say): DDP broadcasts it every step
+            self.register_buffer("state", torch.zeros(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -67,7 +72,7 @@ class CalibrationNet(nn.Module):
 
 
 def calibration_model(name: str) -> nn.Module:
-    return CalibrationNet(*SHAPES[name])
+    return CalibrationNet(*SHAPES[name], buffer=name == "buffered")
 
 
 def calibration_input() -> tuple[torch.Tensor]:
@@ -94,8 +99,10 @@ class StrategyCost:
     reference_groups: int
     reference_tensors: int
     slot_s: float = 0.0  # pp_dp: per pipeline slot (micro-batch or bubble), the schedule's bookkeeping
+    # (pp_dp's group_s is per FSDP group of its largest stage, per slot)
     byte_s: float = 0.0
     reference_bytes: int = 0
+    buffers_s: float = 0.0  # a model with buffers: DDP broadcasts them at every forward (a synchronisation)
 
     @classmethod
     def fit(cls, extra_s: dict[str, float], *, grouped: bool) -> StrategyCost:
@@ -109,19 +116,22 @@ class StrategyCost:
             rest = extra_s["thin"] - extra_s["reference"] - per_tensor * (t_thin - t_ref)
             per_group = max(0.0, rest / (g_thin - g_ref))
         per_byte = max(0.0, (extra_s["heavy"] - extra_s["reference"]) / (b_heavy - b_ref))
+        buffers = 0.0  # DDP's broadcast of buffers at every forward; FSDP2 syncs none
+        if not grouped and "buffered" in extra_s:
+            buffers = max(0.0, extra_s["buffered"] - extra_s["reference"])
         return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref,
-                   byte_s=per_byte, reference_bytes=b_ref)  # fmt: skip
+                   byte_s=per_byte, reference_bytes=b_ref, buffers_s=buffers)  # fmt: skip
 
-    def seconds(self, groups: int, tensors: int, param_bytes: float = 0.0) -> float:
+    def seconds(self, groups: int, tensors: int, param_bytes: float = 0.0, buffers: bool = False) -> float:
         """What the strategy adds to the step of a model with ``groups`` FSDP groups, ``tensors``
-        parameter tensors and ``param_bytes`` bytes of parameters as communicated (never less than the
-        fixed cost)."""
+        parameter tensors and ``param_bytes`` bytes of parameters as communicated, and ``buffers`` or not
+        (never less than the fixed cost)."""
         more = (
             self.group_s * (groups - self.reference_groups)
             + self.tensor_s * (tensors - self.reference_tensors)
             + self.byte_s * (param_bytes - self.reference_bytes)
         )
-        return self.fixed_s + max(0.0, more)
+        return self.fixed_s + max(0.0, more) + (self.buffers_s if buffers else 0.0)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,18 +149,33 @@ def fit_costs(
     return out
 
 
+PIPELINE_SHAPES = ("reference", "thin")  # pp_dp's calibration: 1 and 3 blocks per stage on 2 stages
+
+
 def calibration_slots(stages: int) -> int:
-    """Pipeline slots (micro-batches + stages - 1) of the ``reference`` shape's pp_dp run on ``stages``."""
+    """Pipeline slots (micro-batches + stages - 1) of a calibration shape's pp_dp run on ``stages``."""
     from lit_parallel.parallel.peak_pipeline import pipeline_microbatches
 
     return (pipeline_microbatches(BATCH, stages) or stages) + stages - 1
 
 
-def fit_pipeline_cost(one_process_s: float, pipeline_s: float, slots: int) -> StrategyCost:
-    """``pp_dp``'s cost: the seconds it added to the ``reference`` shape, spread over the ``slots``
-    (micro-batches + stages - 1) of that run's schedule; a model pays it per slot of its own schedule."""
+def stage_groups(name: str, stages: int) -> int:
+    """FSDP groups of a calibration shape's largest pp_dp stage: its blocks and the stage's root."""
+    return -(-SHAPES[name][0] // stages) + 1
+
+
+def fit_pipeline_cost(
+    one_process_s: dict[str, float], pipeline_s: dict[str, float], stages: int
+) -> StrategyCost:
+    """``pp_dp``'s cost per pipeline slot (micro-batches + stages - 1): what it added to the ``reference``
+    and ``thin`` shapes (:data:`PIPELINE_SHAPES`), spread over the slots of their run, is ``slot_s +
+    group_s x G`` with ``G`` the FSDP groups of the largest stage (every slot runs each group's hooks)."""
     groups, tensors, nbytes = counts("reference")
-    return StrategyCost(0.0, 0.0, 0.0, groups, tensors, slot_s=max(0.0, pipeline_s - one_process_s) / slots,
+    slots = calibration_slots(stages)
+    per_slot = {n: max(0.0, pipeline_s[n] - one_process_s[n]) / slots for n in PIPELINE_SHAPES}
+    g_ref, g_thin = (stage_groups(n, stages) for n in PIPELINE_SHAPES)
+    per_group = max(0.0, (per_slot["thin"] - per_slot["reference"]) / (g_thin - g_ref))
+    return StrategyCost(0.0, per_group, 0.0, groups, tensors, slot_s=max(0.0, per_slot["reference"] - per_group * g_ref),
                         reference_bytes=nbytes)  # fmt: skip
 
 

@@ -62,8 +62,11 @@ class _Skip(nn.Module):
         super().__init__()
         self._name = name
         self._state = state
-        # a parameter-free copy on the meta device computes the output's shape and dtype
+        # a parameter-free copy on the meta device computes the output's shape and dtype, once per shape of
+        # the input (every micro-batch has the same: running it again costs as much as the real module's
+        # dispatch, more for ops that run decomposed on meta, such as BatchNorm)
         object.__setattr__(self, "_meta", copy.deepcopy(real).to("meta"))
+        self._shapes: dict[Any, Any] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state
@@ -80,9 +83,30 @@ class _Skip(nn.Module):
                 " with split=[...] or register it before/after the blocks in the order forward calls it"
             )
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        meta_args, meta_kwargs = _map_tensors(lambda t: t.to("meta"), (args, kwargs))
-        out = self._meta(*meta_args, **meta_kwargs)
+        key = _shape_key((args, kwargs))
+        out = self._shapes.get(key) if key is not None else None
+        if out is None:
+            meta_args, meta_kwargs = _map_tensors(lambda t: t.to("meta"), (args, kwargs))
+            out = self._meta(*meta_args, **meta_kwargs)
+            if key is not None:
+                self._shapes[key] = out
         return _map_tensors(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
+
+
+def _shape_key(value: Any) -> Any:
+    """What a skipped module's output shape depends on: its tensors' shapes and dtypes and the other
+    arguments' values; ``None`` when an argument is neither a tensor nor a plain value (no caching)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        parts = tuple(_shape_key(v) for v in value)
+        return None if any(p is None for p in parts) else (type(value).__name__, parts)
+    if isinstance(value, dict):
+        parts = tuple((k, _shape_key(v)) for k, v in value.items())
+        return None if any(p[1] is None for p in parts) else ("dict", parts)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("value", type(value).__name__, value)
+    return None
 
 
 class StageModule(nn.Module):

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ class StepTime:
     tensors: int
     elements: int
     block_description: str
+    block_name: str | None = None  # the unit timed: a block's qualified name; None: the whole model
 
     @property
     def compute_s(self) -> float:
@@ -134,6 +134,18 @@ def _materialise(block: nn.Module, dtype: torch.dtype) -> nn.Module:
     return real
 
 
+def typical_seconds(samples: list[float]) -> float:
+    """The one figure every repeated timing of the planner reports (predictions and measurements alike):
+    the lower quartile. Noise on a shared machine only ever adds time, in bursts that last several
+    repeats; the median moves with them, the lower quartile hardly does, and unlike the fastest repeat it
+    is not one lucky sample."""
+    import os
+
+    q = float(os.environ.get("LP_Q", "0.25"))
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def _median_seconds(fn: Any, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -141,7 +153,7 @@ def _median_seconds(fn: Any, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return typical_seconds(times)
 
 
 def _block_inputs(module: nn.Module, block_name: str | None, dtype: torch.dtype, batch: int | None, kw: dict):
@@ -193,7 +205,7 @@ def predict_step_time(
     batch_size: int | None = None,
     seq_len: int | None = None,
     example_inputs: Any = None,
-    repeats: int = 9,
+    repeats: int = 15,
 ) -> StepTime:
     """Time the largest block (``block_name``; the whole model without blocks) at the micro-batch and at
     twice it, and AdamW on its parameters; scale to the whole model by ops and FLOPs."""
@@ -216,7 +228,7 @@ def predict_step_time(
     return StepTime(
         block_s=t1, op_s=op_s, flop_s=flop_s, ops=ops, flops=flops, optimizer_tensor_s=tensor_s,
         optimizer_element_s=element_s, tensors=len(trainable), elements=sum(p.numel() for p in trainable),
-        block_description=description,
+        block_description=description, block_name=block_name,
     )  # fmt: skip
 
 
