@@ -225,7 +225,9 @@ def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects(
     # the skips compute their output's shape on meta once per input shape, not once per micro-batch
     from lit_parallel.parallel.pipeline_stage import _Skip
 
-    skips = [t[3] for t in stage._others.values()] + [m for m in stage._blocks.values() if isinstance(m, _Skip)]
+    skips = [t[3] for t in stage._others.values()] + [
+        m for m in stage._blocks.values() if isinstance(m, _Skip)
+    ]
     calls: list[str] = []
     for skip in skips:
         skip._meta.register_forward_hook(lambda m, a, o, name=skip._name: calls.append(name))
