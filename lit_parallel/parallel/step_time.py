@@ -139,11 +139,8 @@ def typical_seconds(samples: list[float]) -> float:
     the lower quartile. Noise on a shared machine only ever adds time, in bursts that last several
     repeats; the median moves with them, the lower quartile hardly does, and unlike the fastest repeat it
     is not one lucky sample."""
-    import os
-
-    q = float(os.environ.get("LP_Q", "0.25"))
     ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[len(ordered) // 4]
 
 
 def _median_seconds(fn: Any, repeats: int) -> float:
