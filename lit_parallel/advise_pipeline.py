@@ -57,7 +57,7 @@ def measure_pipeline_step(
     repeats: int | None = None,
 ):
     """Train ``model`` under ``pp_dp`` (``devices`` stages, data parallel 1) for ``4 + repeats`` steps on
-    ``inputs``; this rank's peak of the fourth step and the median of the later steps. Call in every rank of a
+    ``inputs``; this rank's peak of the fourth step and the lower quartile of the later steps. Call in every rank of a
     launch of ``devices`` ranks. Returns ``(peak, seconds)``."""
     import lit_parallel as lp
     from lit_parallel.advise_verify import STEP_REPEATS, measure_step

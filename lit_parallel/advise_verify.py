@@ -3,7 +3,7 @@
 One process: a real ``lightning.Trainer`` (CPU, 32-true) trains the model for a few steps on the
 predicted input; :class:`~lit_parallel.parallel.live_memory.LiveMemory` measures the second step's peak
 by category (torch keeps no allocator statistics for CPU memory, so live tensor storages are counted),
-and the median of the following steps is the step time. A real launch (``--verify-ranks N``, default
+and the lower quartile of the following steps is the step time. A real launch (``--verify-ranks N``, default
 2) does the same in every rank under ``ddp_tuned``, ZeRO-2 and ``fsdp_blocks`` (one launch), and
 measures the all-reduce bus bandwidth there for the communication term.
 """
@@ -25,7 +25,7 @@ from lit_parallel.parallel.step_time import typical_seconds
 
 LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "pp_dp")
 CALIBRATION_REPEATS = 15
-STEP_REPEATS = 20  # measured steps after the warm-up (their median is the step time)
+STEP_REPEATS = 20  # measured steps after the warm-up (their lower quartile is the step time)
 # what a launcher tells a rank: hidden while a rank runs a one-process Trainer (Lightning would join the launch)
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
@@ -33,7 +33,7 @@ _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GR
 
 @dataclass
 class Measured:
-    """What one run measured: the peak by category (max over ranks) and the median step seconds."""
+    """What one run measured: the peak by category (max over ranks) and the step seconds (lower quartile)."""
 
     strategy: str
     peak: MemoryPeak
@@ -115,8 +115,8 @@ def measure_step(
     model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = STEP_REPEATS,
     module: Any = None,
 ):  # fmt: skip
-    """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the median of
-    the ``repeats`` after it. Returns ``(peak, median seconds)``. ``module``: the LightningModule to fit
+    """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the lower quartile of
+    the ``repeats`` after it. Returns ``(peak, seconds)``. ``module``: the LightningModule to fit
     around ``model`` (default: forward, the planner's loss, AdamW)."""
     import logging
     import warnings

@@ -1,6 +1,6 @@
 """Step time of one training step, predicted from one block measured on this machine.
 
-* compute: the largest transformer block's forward + backward is timed for real (median of repeats; a
+* compute: the largest transformer block's forward + backward is timed for real (lower quartile of repeats; a
   model built on the meta device gets one block materialised, nothing more) at the per-rank micro-batch
   and at twice it. The two timings give a cost per op and a cost per FLOP on this machine; the whole
   step's ops and FLOPs are counted on the meta device (``torch.utils.flop_counter.FlopCounterMode``:
@@ -143,7 +143,7 @@ def typical_seconds(samples: list[float]) -> float:
     return ordered[len(ordered) // 4]
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
+def _typical_seconds(fn: Any, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -178,7 +178,7 @@ def _time_unit(unit: nn.Module, args: tuple, kwargs: dict, whole: bool, dtype: t
         (default_loss(out, a) if whole else logits_of(out).float().sum()).backward()
 
     ops, flops = _count(lambda: fwd_bwd(unit, args, kwargs))
-    return _median_seconds(lambda: fwd_bwd(real, real_args, real_kwargs), repeats), ops, flops, real
+    return _typical_seconds(lambda: fwd_bwd(real, real_args, real_kwargs), repeats), ops, flops, real
 
 
 def _adamw_rates(params: list[torch.Tensor], repeats: int) -> tuple[float, float]:
@@ -186,10 +186,10 @@ def _adamw_rates(params: list[torch.Tensor], repeats: int) -> tuple[float, float
     tiny = [torch.zeros(1, requires_grad=True) for _ in range(64)]
     for t in (*tiny, *params):
         t.grad = torch.zeros_like(t)
-    per_tensor = _median_seconds(torch.optim.AdamW(tiny, lr=1e-6).step, repeats) / len(tiny)
+    per_tensor = _typical_seconds(torch.optim.AdamW(tiny, lr=1e-6).step, repeats) / len(tiny)
     if not params:
         return per_tensor, 0.0
-    whole = _median_seconds(torch.optim.AdamW(params, lr=1e-6).step, repeats)
+    whole = _typical_seconds(torch.optim.AdamW(params, lr=1e-6).step, repeats)
     elements = sum(p.numel() for p in params)
     return per_tensor, max(0.0, whole - per_tensor * len(params)) / elements
 
