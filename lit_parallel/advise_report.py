@@ -249,7 +249,7 @@ def error_rows(
 def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[list[dict], dict[str, Any]]:
     """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction.
     Returns the rows and what the launch measured of the cluster (bus bandwidth, latency, strategy costs)."""
-    from lit_parallel.advise_verify import launch, measure_step, peak_from, real_inputs, vocabulary
+    from lit_parallel.advise_verify import launch, peak_from, real_inputs, vocabulary
     from lit_parallel.parallel.example_inputs import meta_example_input
     from lit_parallel.parallel.model_summary import load_model_class
 
@@ -262,7 +262,9 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
     one = predict(path, kwargs, precision="32-true", devices=1, nodes=1, batch_size=args.batch_size,
                   seq_len=args.seq_len, device_type="cpu", step_time=True, busbw_gbps=None,
                   input_shape=args.input_shape)  # fmt: skip
-    peak, step_s = measure_step(model, real_inputs(ex.args, vocabulary(model)))
+    peak, step_s = _one_process_rounds(
+        one, model, real_inputs(ex.args, vocabulary(model)), path, kwargs, args
+    )
     cluster: dict[str, Any] = {}
     rows = error_rows("one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s)
     if args.verify_ranks > 1:
@@ -296,6 +298,29 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
             rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
                                multi.step_s(strategy), got["step_s"])  # fmt: skip
     return rows, cluster
+
+
+def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, path: str, kwargs: dict, args: Any):
+    """The one-process step measured in rounds, each after timing the prediction's parts again (the first
+    round's timing is ``one``'s): this machine's speed drifts over seconds, so the prediction (medians of
+    the timings, written into ``one``) and the measurement (median of the rounds) sample the same stretch
+    of time. Returns the first round's peak and the median step seconds."""
+    import statistics
+
+    from lit_parallel.advise_verify import ROUNDS, lightning_overhead, measure_step
+    from lit_parallel.parallel.step_time import median_timing
+
+    peak, first = measure_step(model, inputs)
+    steps, timings, overheads = [first], [one.timing], [one.overhead_s]
+    _, module, _, _ = meta_model(path, kwargs)
+    for _ in range(ROUNDS - 1 if one.timing is not None else 0):
+        timings.append(predict_step_time(module, block_name=one.timing.block_name, batch_size=args.batch_size,
+                                         seq_len=args.seq_len, example_inputs=shaped_input(args.input_shape)))  # fmt: skip
+        overheads.append(lightning_overhead())
+        steps.append(measure_step(model, inputs)[1])
+    if one.timing is not None:
+        one.timing, one.overhead_s = median_timing(timings), statistics.median(overheads)
+    return peak, statistics.median(steps)
 
 
 def print_verification(rows: list[dict], console: Any) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +25,9 @@ from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
 from lit_parallel.parallel.step_time import typical_seconds
 
 LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "pp_dp")
-CALIBRATION_REPEATS = 15
-STEP_REPEATS = 20  # measured steps after the warm-up (their lower quartile is the step time)
+CALIBRATION_REPEATS = 9
+STEP_REPEATS = 12  # measured steps after the warm-up (their lower quartile is the step time)
+ROUNDS = 3  # the launch measures everything this many times, interleaved; figures are medians over them
 # what a launcher tells a rank: hidden while a rank runs a one-process Trainer (Lightning would join the launch)
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
@@ -218,23 +220,21 @@ def worker(args: argparse.Namespace) -> int:
     if not dist.is_initialized():  # the Trainers below use it as it is; the bandwidth measurement needs it
         dist.init_process_group("gloo")
     plain = [n for n in names if n != "pp_dp"]
-    # what `advise` times in one process, timed here on every rank at once: ranks that share a machine's
-    # cores and memory compute more slowly than one process alone, and that is the compute they will have
-    results["alone"] = measure_alone(args, kwargs)
-    for name in plain:
-        model, inputs = _model_and_inputs(factory, kwargs, args)
-        try:
-            peak, step_s = measure_step(
-                model, inputs, strategy=strategy_object(name), devices=args.devices, repeats=args.repeats
-            )
-        except Exception as err:  # a strategy this model cannot run: reported, the others still measured
-            results[name] = {"error": f"{type(err).__name__}: {err}"}
-            continue
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak_dict(peak))
-        results[name] = {"peaks": peaks, "step_s": step_s}
-    # what each strategy adds to a step here, on the calibration models
-    results["calibration"] = {name: calibrate(name, args.devices, args.calibration_repeats) for name in plain}
+    # In rounds: what `advise` times in one process, timed here on every rank at once (ranks that share a
+    # machine's cores and memory compute more slowly than one process alone, and that is the compute they
+    # will have), then each strategy's step and right after it its calibration. This machine's speed
+    # drifts over seconds; every figure is the median over the rounds, so the prediction's parts and the
+    # measured steps sample the same stretch of time.
+    rounds: list[dict[str, Any]] = []
+    for _ in range(args.rounds):
+        rounds.append({"alone": measure_alone(args, kwargs)})
+        for name in plain:
+            if any("error" in r.get(name, {}) for r in rounds):
+                continue
+            rounds[-1][name] = _measure_strategy(factory, kwargs, args, name)
+            if "error" not in rounds[-1][name]:
+                rounds[-1][f"calibration.{name}"] = calibrate(name, args.devices, args.calibration_repeats)
+    results.update(_combine_rounds(rounds, plain))
     # the doctor measurement, here: latency of a tiny all-reduce, bus bandwidth at the gradients' size
     tiny, _ = _all_reduce_seconds(torch.ones(1))
     seconds, n = _all_reduce_seconds(torch.ones(max(1, args.grad_bytes // 4)))
@@ -245,6 +245,48 @@ def worker(args: argparse.Namespace) -> int:
     if "pp_dp" in names:
         _measure_pipeline(factory, kwargs, args, results)
     return 0
+
+
+def _measure_strategy(factory: Any, kwargs: dict, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One strategy's measured step in this launch: every rank's peak and the step seconds, or the error."""
+    import torch.distributed as dist
+
+    model, inputs = _model_and_inputs(factory, kwargs, args)
+    try:
+        peak, step_s = measure_step(
+            model, inputs, strategy=strategy_object(name), devices=args.devices, repeats=args.repeats
+        )
+    except Exception as err:  # a strategy this model cannot run: reported, the others still measured
+        return {"error": f"{type(err).__name__}: {err}"}
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_dict(peak))
+    return {"peaks": peaks, "step_s": step_s}
+
+
+def _combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, Any]:
+    """The rounds' figures as one: medians of the seconds; the peaks of the first round (memory does not
+    drift)."""
+    from dataclasses import asdict
+
+    from lit_parallel.parallel.step_time import StepTime, median_timing
+
+    med = statistics.median
+    alone = [r["alone"] for r in rounds]
+    timings = [StepTime(**a["timing"]) for a in alone if a["timing"]]
+    out: dict[str, Any] = {"alone": {
+        "timing": asdict(median_timing(timings)) if timings else None,
+        "overhead_s": med(a["overhead_s"] for a in alone),
+        "one_process": {k: med(a["one_process"][k] for a in alone) for k in alone[0]["one_process"]},
+    }, "calibration": {}}  # fmt: skip
+    for name in plain:
+        got = [r[name] for r in rounds if name in r]
+        if "error" in got[0]:
+            out[name] = got[0]
+            continue
+        out[name] = {"peaks": got[0]["peaks"], "step_s": med(g["step_s"] for g in got)}
+        cal = [r[f"calibration.{name}"] for r in rounds if f"calibration.{name}" in r]
+        out["calibration"][name] = {k: med(c[k] for c in cal) for k in cal[0]}
+    return out
 
 
 @contextlib.contextmanager
@@ -313,9 +355,13 @@ def _measure_pipeline(factory: Any, kwargs: dict, args: argparse.Namespace, resu
     from lit_parallel.launch import write_result
 
     try:
-        model, inputs = _model_and_inputs(factory, kwargs, args)
-        results["pp_dp"] = pipeline_worker_entry(model, inputs, devices=args.devices, repeats=args.repeats)
-        results["calibration"]["pp_dp"] = calibrate("pp_dp", args.devices, args.calibration_repeats)
+        got, cal = [], []
+        for _ in range(args.rounds):  # in rounds, as the other strategies (see worker)
+            model, inputs = _model_and_inputs(factory, kwargs, args)
+            got.append(pipeline_worker_entry(model, inputs, devices=args.devices, repeats=args.repeats))
+            cal.append(calibrate("pp_dp", args.devices, args.calibration_repeats))
+        results["pp_dp"] = {"peaks": got[0]["peaks"], "step_s": statistics.median(g["step_s"] for g in got)}
+        results["calibration"]["pp_dp"] = {k: statistics.median(c[k] for c in cal) for k in cal[0]}
     except Exception as err:
         why = f"{type(err).__name__}: {err}"
         with contextlib.suppress(OSError):
@@ -343,9 +389,9 @@ def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 15) -> tuple[float, in
 
 def launch(
     model: str, model_kwargs: str | None, *, ranks: int, batch_size: int | None, seq_len: int | None,
-    grad_bytes: int, repeats: int = STEP_REPEATS, timeout: float = 600,
+    grad_bytes: int, repeats: int = STEP_REPEATS, timeout: float = 900,
     input_shape: tuple[int, ...] | None = None, calibration_repeats: int = CALIBRATION_REPEATS,
-    timing_unit: str | None = None,
+    timing_unit: str | None = None, rounds: int = ROUNDS,
 ) -> dict[str, Any]:  # fmt: skip
     """Start ``ranks`` processes (torchrun) that measure :data:`LAUNCH_STRATEGIES`; rank 0's results."""
     from lit_parallel.launch import run_ranks
@@ -353,6 +399,7 @@ def launch(
     argv = [f"--model={model}", f"--devices={ranks}", f"--repeats={repeats}", f"--grad-bytes={grad_bytes}"]
     argv.append(f"--strategies={','.join(LAUNCH_STRATEGIES)}")
     argv.append(f"--calibration-repeats={calibration_repeats}")
+    argv.append(f"--rounds={rounds}")
     if timing_unit is not None:  # "": the whole model
         argv.append(f"--timing-unit={timing_unit}")
     if model_kwargs:
@@ -380,6 +427,7 @@ def _worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-kwargs")
     p.add_argument("--devices", type=int)
     p.add_argument("--repeats", type=int, default=STEP_REPEATS)
+    p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--timing-unit", help="the block advise times (empty: the whole model; absent: none)")
     p.add_argument("--grad-bytes", type=int, default=4 << 20)
     p.add_argument("--calibration-repeats", type=int, default=CALIBRATION_REPEATS)

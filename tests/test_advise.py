@@ -484,7 +484,7 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_and_fsdp_within_10_percen
     from lit_parallel.advise_verify import LAUNCH_STRATEGIES, launch, peak_from
 
     res = launch("tests.models:GPT", None, ranks=2, batch_size=1, seq_len=None, grad_bytes=4096, repeats=1,
-                 calibration_repeats=1, timing_unit="")  # fmt: skip
+                 calibration_repeats=1, timing_unit="", rounds=2)  # fmt: skip
     pred = predict("tests.models:GPT", {}, precision="32-true", devices=2, nodes=1, batch_size=1,
                    seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
     # pp_dp cannot cut one sequence into micro-batches: refused with the rule and the fix, in the

@@ -171,3 +171,30 @@ def test_each_stage_is_charged_the_flops_of_the_pieces_it_runs():
     assert [w.groups for w in work] == [2, 2]  # one block and the stage's root each
     assert sum(w.ops for w in work) == pytest.approx(1.0)
     assert work[1].ops > 1 / 3  # the second stage also runs the loss's ops
+
+
+def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks():
+    from dataclasses import asdict
+
+    from lit_parallel.advise_verify import _combine_rounds
+    from lit_parallel.parallel.step_time import StepTime
+
+    def timing(block_s: float) -> dict:
+        return asdict(StepTime(block_s=block_s, op_s=block_s / 100, flop_s=0.0, ops=100, flops=0,
+                               optimizer_tensor_s=1e-5, optimizer_element_s=1e-9, tensors=4, elements=10,
+                               block_description="the whole model"))  # fmt: skip
+
+    # three rounds; the machine was slow in the second: every figure is the median, the peaks are round 1's
+    rounds = [
+        {"alone": {"timing": timing(s), "overhead_s": o, "one_process": {"reference": r}},
+         "ddp_tuned": {"peaks": [p], "step_s": step}, "calibration.ddp_tuned": {"reference": c},
+         "zero2": {"error": "RuntimeError: no"}}
+        for s, o, r, p, step, c in [(1e-3, 5e-4, 2e-3, 100, 4e-3, 3e-3), (9e-3, 9e-4, 8e-3, 101, 9e-3, 9e-3),
+                                    (2e-3, 6e-4, 3e-3, 102, 5e-3, 4e-3)]
+    ]  # fmt: skip
+    out = _combine_rounds(rounds, ["ddp_tuned", "zero2"])
+    assert out["alone"]["timing"]["block_s"] == 2e-3 and out["alone"]["timing"]["op_s"] == 2e-5
+    assert out["alone"]["overhead_s"] == 6e-4 and out["alone"]["one_process"] == {"reference": 3e-3}
+    assert out["ddp_tuned"] == {"peaks": [100], "step_s": 5e-3}
+    assert out["calibration"] == {"ddp_tuned": {"reference": 4e-3}}  # zero2 failed: no calibration
+    assert out["zero2"] == {"error": "RuntimeError: no"}

@@ -14,8 +14,9 @@
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,6 +56,14 @@ class StepTime:
     def optimizer_s(self, shard: int = 1) -> float:
         """AdamW's step with the elements divided over ``shard`` ranks (every rank steps every tensor)."""
         return self.tensors * self.optimizer_tensor_s + self.elements / shard * self.optimizer_element_s
+
+
+def median_timing(timings: list[StepTime]) -> StepTime:
+    """Several timings of the same unit (rounds taken between other measurements) as one: the median of
+    every measured rate; the counts are the same in all of them."""
+    med = lambda name: statistics.median(getattr(t, name) for t in timings)  # noqa: E731
+    rates = ("block_s", "op_s", "flop_s", "optimizer_tensor_s", "optimizer_element_s")
+    return replace(timings[0], **{name: med(name) for name in rates})
 
 
 class _OpCounter:
@@ -171,6 +180,15 @@ def _time_unit(unit: nn.Module, args: tuple, kwargs: dict, whole: bool, dtype: t
     """(seconds, ops, FLOPs) of forward + backward of the real ``unit`` on inputs shaped like ``args``."""
     real = _materialise(unit, dtype)
     real_args = tuple(_real(a, dtype) for a in args)
+    if whole:  # the model's own inputs: token ids drawn below the vocabulary, as a real batch has them (all
+        # zeros is a slower step: every gradient of the embedding lands on one row, every target is class 0)
+        from lit_parallel.advise_verify import real_inputs, vocabulary
+
+        ids = real_inputs(args, vocabulary(unit))
+        is_ids = [
+            isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dtype != torch.bool for a in args
+        ]
+        real_args = tuple(i if yes else r for i, r, yes in zip(ids, real_args, is_ids, strict=True))
     real_kwargs = {k: _real(v, dtype) for k, v in kwargs.items()}
 
     def fwd_bwd(m: nn.Module, a: tuple, k: dict) -> None:
