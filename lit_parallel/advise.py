@@ -240,6 +240,16 @@ def _check_prediction_arguments(args: argparse.Namespace) -> None:
         args.busbw_gbps = args.busbw_gbps if args.busbw_gbps is not None else cluster["busbw_gbps"]
         args.latency_us = args.latency_us if args.latency_us else cluster["latency_s"] * 1e6
         args.cluster_costs = cluster["costs"]
+        measured, world = cluster["ranks"], args.devices * args.nodes
+        if measured and measured != world:
+            from lit_parallel.parallel.calibration import for_ranks
+
+            args.cluster_costs = for_ranks(cluster["costs"], measured, world)
+            args.cluster_note = (
+                f"--cluster was measured on {measured} ranks, this prediction is for {world}: its per-byte costs"
+                f" are scaled by the ring's (n - 1) / n, its per-call costs kept as measured (measure on {world}"
+                " ranks with `advise --verify --verify-ranks` for exact figures)"
+            )
 
 
 def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D401
@@ -276,6 +286,8 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
     except NoExampleInput as err:
         console.print(f"[yellow]note[/yellow]: no peak prediction: {escape(str(err))}")
         return {"prediction": None}
+    if getattr(args, "cluster_note", None):
+        pred.notes.append(args.cluster_note)
     print_prediction(pred, console)
     out: dict[str, Any] = {"prediction": pred.as_dict()}
     if args.verify:

@@ -122,6 +122,15 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
     assert fsdp["step_s"] == pytest.approx(
         fsdp["compute_s"] + fsdp["optimizer_s"] + expected_comm + data["overhead_s"]
     )
+    # the same costs for 4 ranks: ring collectives move 3/4 of the bytes through each rank instead of 1/2, so
+    # the per-byte cost is 1.5 x; the per-call costs stay as measured, and a note says so
+    four = tmp_path / "four.json"
+    assert main([*args[:4], "4", *args[5:], "--cluster", str(cluster), "--json", str(four)]) == 0
+    data4 = json.loads(four.read_text())["prediction"]
+    expected4 = 0.004 + 1 * 0.002 + (22 - 6) * 1e-4 + (4 * params - 240) * 1.5e-9
+    assert data4["peak"]["fsdp_blocks"]["time"]["comm_s"] == pytest.approx(expected4)
+    assert any("measured on 2 ranks, this prediction is for 4" in n for n in data4["notes"])
+    assert not any("measured on 2 ranks" in n for n in data["notes"])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"busbw_gbps": 1.0}))
     assert main([*args, "--cluster", str(bad)]) != 0

@@ -199,4 +199,19 @@ def load_cluster(path: str) -> dict[str, Any]:
         costs = {name: StrategyCost(**c) for name, c in data["strategy_costs"].items()}
     except TypeError as err:
         raise ValueError(f"--cluster {path}: a strategy cost is malformed ({err}); {fix}") from None
-    return {"busbw_gbps": float(data["busbw_gbps"]), "latency_s": float(data["latency_s"]), "costs": costs}
+    ranks = data.get("ranks")
+    return {"busbw_gbps": float(data["busbw_gbps"]), "latency_s": float(data["latency_s"]), "costs": costs,
+            "ranks": int(ranks) if isinstance(ranks, (int, float)) and ranks >= 1 else None}  # fmt: skip
+
+
+def for_ranks(costs: dict[str, StrategyCost], measured: int, ranks: int) -> dict[str, StrategyCost]:
+    """Costs measured on ``measured`` ranks, for a cluster of ``ranks``: ring collectives (all-reduce,
+    all-gather, reduce-scatter) move ``(n - 1) / n`` of the bytes through every rank, so the per-byte cost
+    scales by that ratio; the per-call costs are kept as measured (what they become on more ranks, a launch
+    of ``measured`` ranks cannot tell)."""
+    from dataclasses import replace
+
+    if measured == ranks or measured < 2 or ranks < 2:
+        return costs
+    ratio = ((ranks - 1) / ranks) / ((measured - 1) / measured)
+    return {name: replace(c, byte_s=c.byte_s * ratio) for name, c in costs.items()}
