@@ -17,6 +17,8 @@ new storage once (by identity, so views are free) and subtracts it when the stor
 * ``temporaries``: everything else (outputs, gradients flowing through backward, optimizer scratch, FSDP2's
   flat all-gather outputs and reduce-scatter inputs).
 
+Meta tensors hold no memory and are not counted in a real step (a pipeline stage runs stand-ins for other
+stages' modules on meta); in a simulation on meta (every parameter on meta) they are what is counted.
 Storages allocated outside Python's dispatcher view (e.g. by a C++ component before the mode was
 entered) are invisible unless they already belong to one of the groups above; parameters and optimizer
 state that exist when tracking starts are counted from the start.
@@ -85,6 +87,8 @@ class LiveMemory(TorchDispatchMode):
             dict.fromkeys(module.parameters() if isinstance(module, nn.Module) else module or ())
         )
         self.optimizer = optimizer
+        # meta tensors hold no memory: counted only in a simulation on meta (no parameter off meta)
+        self.meta = all(_local(p).is_meta for p in self.params)
         # storage identity -> allocation number: a freed storage's address may be reused by a new one,
         # so everything else is keyed by allocation, which is never reused
         self.live: dict[int, int] = {}
@@ -100,8 +104,10 @@ class LiveMemory(TorchDispatchMode):
 
     # --- what is live -------------------------------------------------------------------------------
 
-    def _add(self, t: torch.Tensor) -> int:
+    def _add(self, t: torch.Tensor) -> int | None:
         t = _local(t)
+        if t.is_meta and not self.meta:  # no memory (a pipeline stage's stand-ins for others' modules)
+            return None
         storage = t.untyped_storage()
         key = storage_key(t)
         if key in self.live:
@@ -192,7 +198,7 @@ class LiveMemory(TorchDispatchMode):
 
     def _mark(self, t: torch.Tensor, kind: str) -> None:
         alloc = self._add(t)  # a storage allocated outside the mode (DDP's buckets) is counted from here
-        if kind in ("params", "optimizer") or alloc not in self.kinds:
+        if alloc is not None and (kind in ("params", "optimizer") or alloc not in self.kinds):
             self.kinds[alloc] = kind
 
     def _label(self, t: torch.Tensor, kind: str) -> None:

@@ -236,7 +236,7 @@ class _Segments(LiveMemory):
     high: float = 0
     _high = Moment({})
 
-    def _add(self, t: torch.Tensor) -> int:
+    def _add(self, t: torch.Tensor) -> int | None:
         alloc = super()._add(t)
         if self.current > self.high:
             self.high, self._high = self.current, self.moment()
