@@ -55,7 +55,7 @@ ENTRIES: dict[str, Entry] = {
         "torch.overrides.TorchFunctionMode is public but does not see ops issued from C++",
     ),
     "tree_flatten": Entry(
-        f"{_PYTREE}:tree_flatten", "the tensors of nested args (TP, tp_trace, live_memory)"
+        f"{_PYTREE}:tree_flatten", "the tensors of nested args (TP, tp_trace, live_memory, step_simulation)"
     ),
     "flash_attention_for_cpu": Entry(
         "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu", "fused_attention"

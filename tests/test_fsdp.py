@@ -37,6 +37,7 @@ SCENARIOS = [
     "prebuilt_dtensors",
     "parallelize_without_trainer",
     "no_blocks_mlp",
+    "live_memory_categories",
 ]
 
 
@@ -140,6 +141,33 @@ def test_memory_per_rank_is_16_bytes_per_parameter_over_n(run):
         assert m["params"] == 4 * GPT_PARAMS // WORLD, rank
         assert m["grads"] == 4 * GPT_PARAMS // WORLD, rank
         assert m["total"] == pytest.approx(16 * GPT_PARAMS / WORLD, rel=0.02), rank
+
+
+@pytest.mark.timeout(480)
+def test_live_memory_counts_fsdp2_gathered_parameters_as_params_and_unsharded_gradients_as_grads(run):
+    """The categories `advise --verify` measures mean what the planner predicts (lit_parallel/parallel/peak.py):
+    FSDP2's gathered parameters are parameters (not the activations autograd saves, nor temporaries), its
+    unsharded gradients before the reduce-scatter are gradients, its flat all-gather output a temporary."""
+    f32, n_in, n_out, batch = 4, sc.LIVE_IN, sc.LIVE_OUT, sc.LIVE_BATCH
+    weight, bias = n_out * n_in, n_out  # dim 0 (n_out rows) splits evenly over the ranks: no padding
+    shards = (weight + bias) // WORLD * f32  # each rank's shard of the weight and of the bias
+    gathered = (weight + bias) * f32  # the unsharded parameters, and also the flat all-gather output
+    x, y = batch * n_in * f32, batch * n_out * f32  # the input (saved by the Linear), the block's output
+    for rank, seen in enumerate(run.scenario("live_memory_categories")):
+        assert seen["forward"] == {
+            "params": shards + gathered,
+            "grads": 0,
+            "optimizer": 0,
+            "activations": x,
+            "temporaries": gathered + y,  # the flat all-gather output, the Linear's output
+        }, rank
+        # backward, both unsharded gradients computed: still gathered; Tanh saved its output (y bytes)
+        unsharded = {k: seen["unsharded grads"][k] for k in ("params", "grads", "activations")}
+        assert unsharded == {"params": shards + gathered, "grads": gathered, "activations": x + y}, rank
+        # after backward: resharded (the gathered storages freed), one reduce-scatter output holds both
+        # sharded gradients
+        after = {k: seen["after backward"][k] for k in ("params", "grads", "activations")}
+        assert after == {"params": shards, "grads": shards, "activations": x + y}, rank
 
 
 @pytest.mark.timeout(480)

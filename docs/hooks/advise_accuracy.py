@@ -51,7 +51,10 @@ NOTES = """
   of the ranks); the block's flat output lives until the next group is gathered (the last one until the
   loss is computed: the root's FSDP forward is `training_step`); in backward each
   block's unsharded gradient, reduce-scatter input and output (and gloo's copy of the input, on CPU)
-  are counted at the moment that block is reduce-scattered. Models with two token inputs (T5's
+  are counted at the moment that block is reduce-scattered, and the loss's and head's backward (before
+  the last block's) is a moment of its own (no block gathered yet, the last one's all-gather prefetched).
+  Categories mean the same bytes on both sides: gathered parameters are parameters, unsharded gradients
+  gradients, flat all-gather outputs and reduce-scatter inputs temporaries. Models with two token inputs (T5's
   `decoder_input_ids`, `nn.TransformerDecoder`'s source and target) get ids for each. The simulation
   runs attention as the fused kernel a real step runs (grouped key/value heads and
   `nn.MultiheadAttention` included), so one process and `ddp_tuned` are exact on most models.

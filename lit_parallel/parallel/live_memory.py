@@ -5,11 +5,20 @@ none. :class:`LiveMemory` is a ``TorchDispatchMode`` that sees every tensor an o
 new storage once (by identity, so views are free) and subtracts it when the storage is freed (a
 ``weakref.finalize`` on the storage). The peak is split by what the bytes are:
 
-* ``params``, ``optimizer``: storages of the module's parameters / the optimizer's state;
-* ``grads``: storages that became a parameter's ``.grad`` (a post-accumulate-grad hook records them);
-* ``activations``: storages autograd saved for backward (a saved-tensors hook records them);
-* ``temporaries``: everything else (outputs, gradients flowing through backward, optimizer scratch).
+* ``params``: storages of parameters: the module's, and every parameter a module holds when it runs (a
+  global forward hook records them): FSDP2's gathered (unsharded) parameters are counted here, not as the
+  activations or temporaries they would otherwise be when autograd saves them or an op reads them;
+* ``optimizer``: storages of the optimizer's state;
+* ``grads``: storages that became a parameter's ``.grad`` (a post-accumulate-grad hook records them), also
+  of a gathered parameter (FSDP2's unsharded gradients before their reduce-scatter) and the reduce-scatter
+  outputs FSDP2 makes the sharded gradients of (it calls the same hooks);
+* ``activations``: storages autograd saved for backward (a saved-tensors hook records them) that are not
+  parameters;
+* ``temporaries``: everything else (outputs, gradients flowing through backward, optimizer scratch, FSDP2's
+  flat all-gather outputs and reduce-scatter inputs).
 
+Meta tensors hold no memory and are not counted in a real step (a pipeline stage runs stand-ins for other
+stages' modules on meta); in a simulation on meta (every parameter on meta) they are what is counted.
 Storages allocated outside Python's dispatcher view (e.g. by a C++ component before the mode was
 entered) are invisible unless they already belong to one of the groups above; parameters and optimizer
 state that exist when tracking starts are counted from the start.
@@ -24,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from lit_parallel._compat import TorchDispatchMode, storage_key, tree_flatten
 
@@ -35,6 +45,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class Moment:
+    """The storages live at one moment (allocation number -> bytes then); see :meth:`LiveMemory.moment`."""
+
+    sizes: dict[int, int]
 
 
 @dataclass
@@ -70,6 +87,8 @@ class LiveMemory(TorchDispatchMode):
             dict.fromkeys(module.parameters() if isinstance(module, nn.Module) else module or ())
         )
         self.optimizer = optimizer
+        # meta tensors hold no memory: counted only in a simulation on meta (no parameter off meta)
+        self.meta = all(_local(p).is_meta for p in self.params)
         # storage identity -> allocation number: a freed storage's address may be reused by a new one,
         # so everything else is keyed by allocation, which is never reused
         self.live: dict[int, int] = {}
@@ -77,16 +96,18 @@ class LiveMemory(TorchDispatchMode):
         self.kinds: dict[int, str] = {}
         self.current = 0
         self.peak = MemoryPeak()
-        self._peak_ids: list[int] = []
-        self._peak_sizes: dict[int, int] = {}
+        self._at_peak = Moment({})  # what was live at the peak, sizes as they were then
         self._count = 0
         self._handles: list[Any] = []
+        self._hooked: set[int] = set()  # parameters whose gradients are recorded
         self._saved_hooks: Any = None
 
     # --- what is live -------------------------------------------------------------------------------
 
-    def _add(self, t: torch.Tensor) -> int:
+    def _add(self, t: torch.Tensor) -> int | None:
         t = _local(t)
+        if t.is_meta and not self.meta:  # no memory (a pipeline stage's stand-ins for others' modules)
+            return None
         storage = t.untyped_storage()
         key = storage_key(t)
         if key in self.live:
@@ -104,20 +125,25 @@ class LiveMemory(TorchDispatchMode):
         self._check_peak()
         return alloc
 
+    def _refresh(self) -> None:
+        """Re-read the sizes of storages resized in place since they were counted (FSDP2's free and
+        re-gather); only with ``exact``."""
+        if not self.exact:
+            return
+        for alloc in self.live.values():
+            storage = self.refs.get(alloc, lambda: None)()
+            if storage is not None and storage.nbytes() != self.sizes[alloc]:
+                self.current += storage.nbytes() - self.sizes[alloc]
+                self.sizes[alloc] = storage.nbytes()
+
     def _check_peak(self) -> None:
         if self.current <= self.peak.total:
             return
-        if self.exact:  # storages resized in place since they were counted (FSDP2's free / re-gather)
-            for alloc in self.live.values():
-                storage = self.refs.get(alloc, lambda: None)()
-                if storage is not None and storage.nbytes() != self.sizes[alloc]:
-                    self.current += storage.nbytes() - self.sizes[alloc]
-                    self.sizes[alloc] = storage.nbytes()
+        self._refresh()
         if self.current > self.peak.total:
             self.peak.total = self.current
-            self._peak_ids = list(self.live.values())
             # sizes as they are at the peak (a storage resized later must not change this peak's split)
-            self._peak_sizes = {a: self.sizes[a] for a in self._peak_ids}
+            self._at_peak = Moment({a: self.sizes[a] for a in self.live.values()})
 
     def _free(self, key: int, alloc: int) -> None:
         if self.live.get(key) == alloc:
@@ -126,18 +152,32 @@ class LiveMemory(TorchDispatchMode):
             self.refs.pop(alloc, None)
 
     def snapshot(self) -> MemoryPeak:
-        """What is live now, split by category."""
+        """What is live now, split by category as far as the storages' roles are known now."""
+        self._refresh()
         return MemoryPeak(self.current, self._split(list(self.live.values()), self.sizes))
+
+    def moment(self) -> Moment:
+        """What is live now, to be split by :meth:`split` later, when every storage's role is known (a
+        storage saved for backward only after this moment is an activation at it too, as in the peak)."""
+        self._refresh()
+        return Moment({a: self.sizes[a] for a in self.live.values()})
+
+    def split(self, moment: Moment) -> MemoryPeak:
+        """A :meth:`moment`'s bytes by category, with the roles known now."""
+        return MemoryPeak(sum(moment.sizes.values()), self._split(moment.sizes, moment.sizes))
 
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (to find the peak of one phase)."""
         self.peak = MemoryPeak(self.current)
-        self._peak_ids = list(self.live.values())
-        self._peak_sizes = {a: self.sizes[a] for a in self._peak_ids}
+        self._at_peak = Moment({a: self.sizes[a] for a in self.live.values()})
 
     def peak_so_far(self) -> MemoryPeak:
         """The peak since the start (or :meth:`reset_peak`), split by category."""
-        return MemoryPeak(self.peak.total, self._split(self._peak_ids, self._peak_sizes))
+        return MemoryPeak(self.peak.total, self._split(self._at_peak.sizes, self._at_peak.sizes))
+
+    def peak_moment(self) -> Moment:
+        """The peak since the start (or :meth:`reset_peak`), to be split later (:meth:`split`)."""
+        return self._at_peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -158,7 +198,7 @@ class LiveMemory(TorchDispatchMode):
 
     def _mark(self, t: torch.Tensor, kind: str) -> None:
         alloc = self._add(t)  # a storage allocated outside the mode (DDP's buckets) is counted from here
-        if kind in ("params", "optimizer") or alloc not in self.kinds:
+        if alloc is not None and (kind in ("params", "optimizer") or alloc not in self.kinds):
             self.kinds[alloc] = kind
 
     def _label(self, t: torch.Tensor, kind: str) -> None:
@@ -175,6 +215,17 @@ class LiveMemory(TorchDispatchMode):
         self._mark(t, "params" if isinstance(t, nn.Parameter) else "activations")
         return t
 
+    def _see_module(self, module: nn.Module, *_: Any) -> None:
+        # the parameters a module holds when it runs: FSDP2 swaps its gathered parameters in before the
+        # block's forward (so a layer inside it sees them) and out after the block's own forward hooks (so
+        # this hook, which runs before those, sees them at the block's end too); their storages are kept and
+        # resized between gathers, so one label holds for the whole step
+        for p in module.parameters(recurse=False):
+            self._mark(p, "params")
+            if p.requires_grad and id(p) not in self._hooked:  # its gradient, before any reduce-scatter
+                self._hooked.add(id(p))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._record_grad))
+
     def _mark_state(self) -> None:
         for p in self._params():
             self._mark(p, "params")
@@ -187,7 +238,10 @@ class LiveMemory(TorchDispatchMode):
             if p.grad is not None:
                 self._record_grad(p)
             if p.requires_grad:
+                self._hooked.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._record_grad))
+        self._handles.append(register_module_forward_pre_hook(self._see_module))
+        self._handles.append(register_module_forward_hook(self._see_module))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
         return super().__enter__()
@@ -198,6 +252,7 @@ class LiveMemory(TorchDispatchMode):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._hooked.clear()
         self.peak = self.peak_so_far()
 
     def _split(self, allocs: Iterable[int], sizes: dict[int, int]) -> dict[str, int]:

@@ -32,12 +32,18 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
   - gathered parameters: the root all the time, block ``k`` while it runs; ZeRO-2 keeps every block
     gathered until its gradients are reduce-scattered.
 
-  Backward, as block ``k``'s gradients are done: its
+  Backward: the loss's and the head's part, before the last block's (the root gathered, ZeRO-3's root
+  prefetching the last block's all-gather); then, as block ``k``'s gradients are done: its
   unsharded gradient next to its gathered parameters; then (both freed) the reduce-scatter input
   (``P_k``), its output (the new sharded gradient, ``P_k / N``) and, on gloo (CPU), the collective's
   copy of the input (``P_k``); blocks after ``k`` hold sharded gradients, the root's gradients stay
   unsharded until backward ends; ZeRO-3 also holds block ``k-1``'s prefetched all-gather output, ZeRO-2
   the blocks before ``k`` still gathered.
+
+  Categories, as :class:`~lit_parallel.parallel.live_memory.LiveMemory` measures them: gathered
+  parameters are ``params``; unsharded gradients and the reduce-scatter output (the sharded gradient)
+  ``grads``; flat all-gather outputs (also a prefetched one), reduce-scatter inputs and gloo's copies
+  ``temporaries``.
 * ``tp_dp``: activations and temporaries inside blocks divided by the tensor-parallel size, the gathered
   block divided too.
 * ``pp_dp``: the largest pipeline stage, from one micro-batch simulated with its activations attributed
@@ -215,6 +221,22 @@ def _strategy_peak(
     return max(moments, key=lambda m: m.total)
 
 
+@dataclass(frozen=True)
+class _Fsdp:
+    """What FSDP2's moments are made of: the per-rank state (shards padded), the gathered bytes of the root
+    group and of each block (padded), whether blocks stay gathered (ZeRO-2), the ranks sharding, gloo."""
+
+    strategy: str
+    p: float
+    g: float
+    o: float
+    root: float
+    blocks: list[float]
+    keep: bool
+    shard: int
+    gloo: bool
+
+
 def _fsdp_peak(
     strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
     gloo: bool,
@@ -223,57 +245,75 @@ def _fsdp_peak(
     each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
     every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
     ratio = padded(every, shard) / shape.params if shape.params else 1.0
-    p, g, o = state[0] * ratio, state[1] * ratio, state[2]  # shards are padded; AdamW's state is not
-    root = padded(shape.root_shapes, shard) * c
-    blocks = [padded(b, shard) * c for b in shape.block_shapes]
-    keep = strategy == "zero2"  # gathered parameters stay until backward ends
+    f = _Fsdp(strategy, state[0] * ratio, state[1] * ratio, state[2],  # shards are padded; AdamW's state not
+              padded(shape.root_shapes, shard) * c, [padded(b, shard) * c for b in shape.block_shapes],
+              keep=strategy == "zero2", shard=shard, gloo=gloo)  # fmt: skip
+    moments = _fsdp_forward(f, sim) + _fsdp_backward(f, sim, shape, c)
+    moments.append(Peak(strategy, f.p, f.g, f.o, 0.0, opt_bytes / shard, "optimizer step"))
+    return max(moments, key=lambda m: m.total)
+
+
+def _fsdp_forward(f: _Fsdp, sim: StepSimulation) -> list[Peak]:
+    """Each block's gather, inside and after it; the loss."""
+    s, p, g, o, root, blocks = f.strategy, f.p, f.g, f.o, f.root, f.blocks
     moments = []
     if len(sim.block_starts) == len(blocks) == len(sim.block_inside) == len(sim.block_after):
         for k, (act, tmp) in enumerate(sim.block_starts):
-            gathered = root + (sum(blocks[: k + 1]) if keep else blocks[k])
-            after = root + (sum(blocks[: k + 1]) if keep else 0.0)
+            gathered = root + (sum(blocks[: k + 1]) if f.keep else blocks[k])
+            after = root + (sum(blocks[: k + 1]) if f.keep else 0.0)
             # the copy-out of block k: its flat all-gather output and the previous group's coexist; block
             # k's flat output is kept until the next group's copy-out (or the root's forward returns)
             flats = blocks[k] + (blocks[k - 1] if k else root)
-            moments.append(
-                Peak(strategy, p + gathered, g, o, act, tmp + flats, "forward", f"block {k} gathered")
-            )
+            moments.append(Peak(s, p + gathered, g, o, act, tmp + flats, "forward", f"block {k} gathered"))
             act, tmp = sim.block_inside[k]
-            moments.append(
-                Peak(strategy, p + gathered, g, o, act, tmp + blocks[k], "forward", f"inside block {k}")
-            )
+            moments.append(Peak(s, p + gathered, g, o, act, tmp + blocks[k], "forward", f"inside block {k}"))
             act, tmp = sim.block_after[k]
-            moments.append(
-                Peak(strategy, p + after, g, o, act, tmp + blocks[k], "forward", f"after block {k}")
-            )
+            moments.append(Peak(s, p + after, g, o, act, tmp + blocks[k], "forward", f"after block {k}"))
     # the loss: the root's forward is the LightningModule's training_step (a registered FSDP forward
     # method), so the last group's flat output lives until the loss is computed
     fw = sim.forward_peak.by_category
-    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else 0.0), g, o, fw["activations"],
+    moments.append(Peak(s, p + root + (sum(blocks) if f.keep else 0.0), g, o, fw["activations"],
                         fw["temporaries"] + (blocks[-1] if blocks else root), "forward", "loss"))  # fmt: skip
-    # backward, as block k's gradients are done: its unsharded gradient and gathered parameters, which are
-    # freed (resharded) before its reduce-scatter input, output (the new sharded gradient) and, on gloo, the
-    # collective's copy of the input exist; the blocks after it hold sharded gradients, the root's so far
-    # are unsharded; ZeRO-2 keeps the blocks before k gathered, ZeRO-3 has block k-1's all-gather prefetched
+    return moments
+
+
+def _fsdp_backward(f: _Fsdp, sim: StepSimulation, shape: ModelShape, c: int) -> list[Peak]:
+    """Each block's reduce-scatter, the loss's and head's backward, the rest of backward."""
+    s, p, g, o, root, blocks, keep = f.strategy, f.p, f.g, f.o, f.root, f.blocks, f.keep
+    moments = []
+    # as block k's gradients are done: its unsharded gradients (grads) and gathered parameters (params),
+    # which are freed (resharded) before its reduce-scatter input (temporaries), output (the new sharded
+    # gradient: grads) and, on gloo, the collective's copy of the input (temporaries) exist, with the
+    # unsharded gradient of the block's last parameter (foreach_reduce's loop variable still holds it); the
+    # blocks after it hold sharded gradients, the root's so far are unsharded; ZeRO-2 keeps the blocks
+    # before k gathered, ZeRO-3 has block k-1's flat all-gather output prefetched (temporaries until copied)
     full = [sum(r * n for r, n in b) for b in shape.block_shapes]
     if len(sim.block_grads_done) == len(blocks):
         for k, (act, tmp, grads) in enumerate(sim.block_grads_done):
-            unsharded = full[k] * c
-            reduce = max(unsharded + blocks[k], blocks[k] * (1 + 1 / shard + (1 if gloo else 0)))  # see above
+            last = math.prod(shape.block_shapes[k][-1]) * c if shape.block_shapes[k] else 0.0
+            before = (blocks[k], full[k] * c, 0.0)  # (params, grads, temporaries) before the reduce-scatter
+            during = (0.0, blocks[k] / f.shard + last, blocks[k] * (2 if f.gloo else 1))  # and during it
+            more_p, more_g, more_t = max(before, during, key=sum)
             root_grads = max(0.0, grads - sum(full[k:]) * c)
             sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
-            gathered = root + (sum(blocks[:k]) if keep else (blocks[k - 1] if k else 0.0))
-            moments.append(Peak(strategy, p + gathered, sharded + root_grads, o, act, tmp + reduce,
-                                "backward", f"block {k} reduce-scattered"))  # fmt: skip
+            gathered = root + (sum(blocks[:k]) if keep else 0.0)
+            prefetched = blocks[k - 1] if k and not keep else 0.0
+            moments.append(Peak(s, p + gathered + more_p, sharded + root_grads + more_g, o, act,
+                                tmp + prefetched + more_t, "backward", f"block {k} reduce-scattered"))  # fmt: skip
+    # the loss's and the head's backward, before the last block's: only the root gathered (ZeRO-2: every
+    # block), the root's unsharded gradients so far; ZeRO-3's root prefetches the last block's all-gather
+    if sim.backward_head is not None and blocks:
+        head = sim.backward_head.by_category
+        moments.append(Peak(s, p + root + (sum(blocks) if keep else 0.0), head["grads"], o, head["activations"],
+                            head["temporaries"] + (0.0 if keep else blocks[-1]), "backward", "loss and head"))  # fmt: skip
     # the rest of backward (its highest point may come before any block is done): ZeRO-3 has a block
     # gathered and the next one's all-gather output prefetched
-    bw = sim.backward_peak.by_category
+    bw = (sim.backward_blocks or sim.backward_peak).by_category
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     largest = max(blocks, default=0.0)
-    moments.append(Peak(strategy, p + root + (sum(blocks) if keep else largest), g * fraction, o,
-                        bw["activations"], bw["temporaries"] + (0.0 if keep else largest), "backward"))  # fmt: skip
-    moments.append(Peak(strategy, p, g, o, 0.0, opt_bytes / shard, "optimizer step"))
-    return max(moments, key=lambda m: m.total)
+    moments.append(Peak(s, p + root + (sum(blocks) if keep else largest), g * fraction, o, bw["activations"],
+                        bw["temporaries"] + (0.0 if keep else largest), "backward"))  # fmt: skip
+    return moments
 
 
 def predict_peaks(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_parallel._compat import tree_flatten
 from lit_parallel.parallel.activations import forward_target
 from lit_parallel.parallel.example_inputs import meta_example_input, to_meta
 from lit_parallel.parallel.fused_attention import fused_attention_on_meta
-from lit_parallel.parallel.live_memory import LiveMemory, MemoryPeak
+from lit_parallel.parallel.live_memory import LiveMemory, MemoryPeak, Moment
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -84,6 +86,9 @@ class StepSimulation:
             and ``temporaries`` (outputs not saved, the loss's intermediate results, ...).
         backward_peak: the highest point of backward: ``grads`` (this step's gradients so far),
             ``activations`` not yet freed, ``temporaries`` (gradients flowing between layers).
+        backward_head, backward_blocks: the highest points of backward before the last block's backward
+            starts (the loss, the head: FSDP has no block gathered yet) and from then on (``None`` without
+            blocks); ``backward_peak`` is the larger.
         block_starts: ``(activations, temporaries)`` live as each block's forward starts, in call order:
             the moments FSDP gathers that block's parameters.
         block_inside, block_after: ``(activations, temporaries)`` at the highest point inside each block's
@@ -99,6 +104,8 @@ class StepSimulation:
 
     forward_peak: MemoryPeak
     backward_peak: MemoryPeak
+    backward_head: MemoryPeak | None
+    backward_blocks: MemoryPeak | None
     block_starts: tuple[tuple[float, float], ...]
     model_end: tuple[float, float]
     block_inside: tuple[tuple[float, float], ...]
@@ -111,33 +118,51 @@ class StepSimulation:
 
 
 class _BlockMoments:
-    """Forward hooks on the blocks: what is live (activations, temporaries) at each block's start, and the
-    peak segments inside each block and between it and the next (or the model's end)."""
+    """Forward hooks on the blocks: what is live at each block's start, and the highest points inside each
+    block and between it and the next (or the model's end); split by :meth:`pairs` once the step is over."""
 
-    def __init__(self, tracker: Any, blocks: list[nn.Module]) -> None:
+    def __init__(self, tracker: _Segments, blocks: list[nn.Module]) -> None:
         self.tracker = tracker
-        self.starts: list[tuple[float, float]] = []
-        self.inside: list[tuple[float, float]] = []
-        self.after: list[tuple[float, float]] = []
+        self.starts: list[Moment] = []
+        self.inside: list[Moment] = []
+        self.after: list[Moment] = []
         self.handles = [b.register_forward_pre_hook(self._at_start) for b in blocks]
         self.handles += [b.register_forward_hook(self._at_end) for b in blocks]
+        self._output_hook: Any = None
+        self.head: Moment | None = None  # backward's highest point before the blocks' backward
 
     def _at_start(self, module: nn.Module, inputs: Any) -> None:
         if self.starts:
             self.after.append(self.tracker.segment())
-        now = self.tracker.snapshot().by_category
-        self.starts.append((float(now["activations"]), float(now["temporaries"])))
+        self.starts.append(self.tracker.moment())
         self.tracker.segment()
 
     def _at_end(self, module: nn.Module, inputs: Any, output: Any) -> None:
         self.inside.append(self.tracker.segment())
+        # the gradient of the last block's output starts that block's backward: the head's part ends
+        if self._output_hook is not None:
+            self._output_hook.remove()
+        first = next(
+            (t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None
+        )
+        self._output_hook = first.register_hook(self._blocks_backward) if first is not None else None
+
+    def _blocks_backward(self, grad: torch.Tensor) -> None:
+        if self.head is None:
+            self.head = self.tracker.peak_moment()
+            self.tracker.reset_peak()
 
     def finish(self) -> None:
         """At the end of forward: remove the hooks, close the last block's segment."""
         for h in self.handles:
             h.remove()
+        last = self.tracker.segment(last=True)
         if self.starts:
-            self.after.append(self.tracker.segment())
+            self.after.append(last)
+
+    def pairs(self, moments: list[Moment]) -> tuple[tuple[float, float], ...]:
+        """``(activations, temporaries)`` of each moment, every storage's role known (the step is over)."""
+        return tuple(self.tracker.pair(m) for m in moments)
 
 
 def simulate_step(
@@ -173,29 +198,32 @@ def simulate_step(
     # fused attention is simulated without checkpointing only: recomputation must see the same ops
     attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
     moments = _BlockMoments(tracker, blocks)
+    # every moment is split once the step is over, as the measured peak is: a storage saved for backward
+    # after a moment (a block's output the next block saves) is an activation at that moment too
     with attention, tracker:
         output = target(*args)
         moments.finish()
-        now = tracker.snapshot().by_category
-        model_end = (float(now["activations"]), float(now["temporaries"]))
+        model_end = tracker.moment()
         loss = default_loss(output, args)
         del output
         done = _watch_block_grads(blocks, tracker)
-        forward_peak = tracker.peak_so_far()
-        saved = tracker.snapshot().by_category["activations"]
+        forward_peak, forward_end = tracker.peak_moment(), tracker.moment()
         tracker.reset_peak()
         loss.backward()
         del loss
     grads = sum(p.grad.untyped_storage().nbytes() for p in meta.parameters() if p.grad is not None)
+    head = tracker.split(moments.head) if moments.head is not None else None
     return StepSimulation(
-        forward_peak=forward_peak,
-        backward_peak=tracker.peak,
-        block_starts=tuple(moments.starts),
-        model_end=model_end,
-        block_inside=tuple(moments.inside),
-        block_after=tuple(moments.after),
-        block_grads_done=tuple(done[i] for i in sorted(done)),
-        saved_bytes=float(saved),
+        forward_peak=tracker.split(forward_peak),
+        backward_peak=max(tracker.peak, head or tracker.peak, key=lambda m: m.total),
+        backward_head=head,
+        backward_blocks=tracker.peak if head is not None else None,
+        block_starts=moments.pairs(moments.starts),
+        model_end=tracker.pair(model_end),
+        block_inside=moments.pairs(moments.inside),
+        block_after=moments.pairs(moments.after),
+        block_grads_done=tuple(_triple(tracker.split(done[i])) for i in sorted(done)),
+        saved_bytes=float(tracker.split(forward_end).by_category["activations"]),
         grad_bytes=float(grads),
         batch_size=example.batch_size,
         input_description=example.description,
@@ -205,27 +233,36 @@ def simulate_step(
 class _Segments(LiveMemory):
     """:class:`LiveMemory` that also keeps the highest point since the last :meth:`segment` call."""
 
-    high = 0
+    high: float = 0
+    _high = Moment({})
 
-    def _add(self, t: torch.Tensor) -> int:
+    def _add(self, t: torch.Tensor) -> int | None:
         alloc = super()._add(t)
-        self.high = max(self.high, self.current)
+        if self.current > self.high:
+            self.high, self._high = self.current, self.moment()
         return alloc
 
-    def segment(self) -> tuple[float, float]:
-        """``(activations now, the rest of the highest point since the last call)``, beyond parameters;
-        starts the next segment."""
-        now = self.snapshot().by_category
-        high = self.high - now["params"] - now["grads"] - now["optimizer"]
-        self.high = self.current
-        return float(now["activations"]), float(max(0, high - now["activations"]))
+    def segment(self, last: bool = False) -> Moment:
+        """What was live at the highest point since the last call (or since tracking started); starts the
+        next segment, or with ``last`` stops following the highest point."""
+        high = self._high
+        self.high, self._high = math.inf if last else self.current, self.moment()
+        return high
+
+    def pair(self, moment: Moment) -> tuple[float, float]:
+        """``(activations, temporaries)`` of a moment: the bytes beyond the model state."""
+        split = self.split(moment).by_category
+        return float(split["activations"]), float(split["temporaries"])
 
 
-def _watch_block_grads(
-    blocks: Sequence[nn.Module], tracker: LiveMemory
-) -> dict[int, tuple[float, float, float]]:
-    """Snapshots (filled during backward) of what is live when each block's last gradient arrives."""
-    done: dict[int, tuple[float, float, float]] = {}
+def _triple(peak: MemoryPeak) -> tuple[float, float, float]:
+    now = peak.by_category
+    return float(now["activations"]), float(now["temporaries"]), float(now["grads"])
+
+
+def _watch_block_grads(blocks: Sequence[nn.Module], tracker: LiveMemory) -> dict[int, Moment]:
+    """Moments (taken during backward) when each block's last gradient arrives."""
+    done: dict[int, Moment] = {}
     for i, block in enumerate(blocks):
         params = [p for p in block.parameters() if p.requires_grad]
         left = [len(params)]
@@ -233,8 +270,7 @@ def _watch_block_grads(
         def hook(_: torch.Tensor, i: int = i, left: list[int] = left) -> None:
             left[0] -= 1
             if left[0] == 0:
-                now = tracker.snapshot().by_category
-                done[i] = (float(now["activations"]), float(now["temporaries"]), float(now["grads"]))
+                done[i] = tracker.moment()
 
         for p in params:
             p.register_post_accumulate_grad_hook(hook)

@@ -625,3 +625,49 @@ def parallelize_without_trainer(ctx) -> dict:
         "fsdp_groups": sum(type(m).__name__.startswith("FSDP") for m in model.modules()),
         "checkpointed": sum(bool(getattr(m, "_lp_activation_checkpointing", False)) for m in model.modules()),
     }
+
+
+# --- LiveMemory's categories under FSDP2 (tests/test_fsdp.py computes the bytes from the shapes) ---------
+
+LIVE_IN, LIVE_OUT, LIVE_BATCH = 8, 6, 4
+
+
+def live_memory_categories(ctx) -> dict:
+    """One Linear block (fully_shard) in a root without parameters; one step measured by LiveMemory, with
+    its split taken inside the block's forward, once both unsharded gradients exist, and after backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lit_parallel.parallel.live_memory import LiveMemory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(LIVE_IN, LIVE_OUT), torch.nn.Tanh())
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(LIVE_BATCH, LIVE_IN, requires_grad=True)
+    model(x).sum().backward()  # a first step: FSDP2's buffers exist, as in the measured steady state
+    for p in model.parameters():
+        p.grad = None
+    seen: dict[str, dict[str, int]] = {}
+    with LiveMemory(model) as live:
+
+        def inside_block(module, args, output) -> None:  # before FSDP2's own hook reshards the block
+            seen["forward"] = live.snapshot().by_category
+            gathered = [module.weight, module.bias]  # the unsharded parameters, while the block runs
+            done: list[torch.Tensor] = []
+
+            def unsharded_grad(p) -> None:  # runs after LiveMemory's hook on the same parameter
+                done.append(p)
+                if len(done) == len(gathered):
+                    seen["unsharded grads"] = live.snapshot().by_category
+
+            for p in gathered:
+                p.register_post_accumulate_grad_hook(unsharded_grad)
+
+        hook = model[0].register_forward_hook(inside_block, prepend=True)
+        out = model(x)
+        hook.remove()
+        out.sum().backward()
+        seen["after backward"] = live.snapshot().by_category
+    return seen
