@@ -61,22 +61,24 @@ NOTES = """
 - **Step time** is predicted as the one-process step plus what the strategy adds. The one-process step
   is the whole model's forward + backward timed here (the largest block scaled by its ops and FLOPs when
   the model would take more than 5 % of RAM), AdamW timed on the parameters (elements divided where
-  sharded) and Lightning's per-step overhead (a one-weight model's step). What a strategy adds is
-  measured by the verifying launch on four tiny calibration models
+  sharded) and Lightning's per-step overhead (a one-weight model's step). For the launch's rows these
+  parts are timed again inside the launch, on every rank at once: two ranks sharing two cores and their
+  memory compute 5-25 % more slowly than one process alone (measured here), and that is the speed they
+  train at. What a strategy adds is measured by the same launch on five tiny calibration models
   (`lit_parallel/parallel/calibration.py`): a fixed cost, a cost per FSDP group, per parameter tensor and
-  per parameter byte (`pp_dp`: per pipeline slot). On CPU ranks those per-call costs, not the bytes,
-  decide small models' steps: a tiny all-reduce costs 0.1-0.3 ms here, an FSDP group 4-5 ms. The cost
-  is measured once per launch, under the same load as the measured steps. `advise --cluster FILE` reuses
-  a launch's costs for any other model.
-- **Where the step time misses.** The 25 % target is not met everywhere. Two runs of this page an hour
-  apart on this 2-core machine gave 28 of 41 and 36 of 61 rows within it (median errors 17 % and 19 %; in
-  the first, five models were not measured: a printing bug since fixed); the
-  same row moved by 20-40 points between runs (e.g. `bert` `fsdp_blocks` 17 % then
-  62 %), on both sides of the prediction. Both the prediction (the one-process timing and the
-  calibration's small differences of milliseconds) and the measurement (5 steps of 1-40 ms with two ranks
-  sharing two cores with their gloo threads) carry that noise; models whose steps are a few
-  milliseconds (the conformance models) are the most exposed. `pp_dp`'s step is under-predicted
-  throughout (its bookkeeping per micro-batch is measured on a model far smaller than the stages).
+  per parameter byte, and DDP's broadcast of buffers for models that have them. `pp_dp` is priced stage
+  by stage: each stage's own share of the ops and FLOPs (counted on the meta device), the slowest stage
+  busy for every micro-batch and the others once (the bubble), and a measured cost per slot and per FSDP
+  group of a stage per slot (`lit_parallel/parallel/pipeline_time.py`). On CPU ranks the per-call costs,
+  not the bytes, decide small models' steps: a tiny all-reduce costs 0.1-0.3 ms here, an FSDP group
+  2-7 ms. `advise --cluster FILE` reuses a launch's costs for any other model.
+- **Noise, and how the measurement deals with it.** This 2-core machine's speed drifts by 20-40 % over
+  seconds (the same forward + backward of the same model, timed twice in one process a few seconds apart:
+  3.5 ms, then 5.0 ms), and one rank's step of 20 ms under FSDP2 ranges from 20 to 65 ms within one run
+  (the operating system schedules two ranks and their gloo threads on two cores). So every timing, on both
+  sides, is the lower quartile of its repeats (noise only adds time; the median moves with it), and the
+  launch measures in 3 rounds, each timing the prediction's parts right before the measured steps, every
+  figure the median over the rounds: prediction and measurement sample the same stretch of time.
 - **`pp_dp`'s memory** is within 2.2 % on models whose blocks sit in a `ModuleList` or keep their shape
   (the recipes' GPT and Llama, `ResidualSequentialNet`) and 28-38 % short on the convolutional ones
   (`ImageClassifier`, `ConvNet`), whose stages' BatchNorm / convolution buffers per micro-batch the stage
@@ -125,7 +127,7 @@ def main() -> int:
         "--precision 32-true --verify`, then measured on this machine: one process, and one launch of 2 CPU",
         "ranks (gloo) running `ddp_tuned`, ZeRO-2 (`fsdp_blocks` with `reshard_after_forward=False`),",
         "`fsdp_blocks` and `pp_dp` (2 stages). Memory is the per-rank peak of one training step (AdamW; the",
-        "largest rank); step time is the median of 5 steps after 4 warm-up steps.",
+        "largest rank); step time is the lower quartile of 12 steps after 4 warm-up steps, the median of 3 rounds.",
         "",
         f"Targets: peak within 10 %, step time within 25 %. Machine load average during the run: {load:.1f}"
         f" on {os.cpu_count()} cores; {time.time() - started:.0f} s in all.",
