@@ -208,3 +208,13 @@ def test_live_memory_rereads_a_storage_resized_in_place_when_an_op_writes_it():
         gathered.fill_(1.0)  # ... and written: 3 kB live
     assert live.peak.total == 3 * 1024
     del other
+
+
+def test_live_memory_counts_buffers_made_before_tracking_from_the_start_when_told():
+    """torch's pipeline receive buffers are made at the first step and first used late in the next ones."""
+    buffers = [torch.zeros(256), torch.zeros(256)]  # 1 kB each
+    with LiveMemory() as live:
+        live.count([*buffers, "not a tensor"])
+        peak_before_use = live.snapshot().total
+        buffers[0].fill_(1.0)  # used: already counted, not twice
+    assert peak_before_use == live.peak.total == 2 * 1024

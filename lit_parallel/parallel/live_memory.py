@@ -144,6 +144,13 @@ class LiveMemory(TorchDispatchMode):
         """What is live now, split by category."""
         return MemoryPeak(self.current, self._split(list(self.live.values()), self.sizes))
 
+    def count(self, tensors: Iterable[Any]) -> None:
+        """Count ``tensors`` (others in the iterable are skipped), made before tracking, as live from now:
+        buffers a step holds all along but first uses later (torch's pipeline receive buffers)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and not t.is_sparse:
+                self._add(t)
+
     def kind_of(self, t: torch.Tensor) -> str | None:
         """The category ``t``'s storage is counted in now; ``None`` when it is not counted."""
         alloc = self.live.get(storage_key(_local(t)))

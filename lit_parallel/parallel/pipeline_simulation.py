@@ -149,7 +149,7 @@ def simulate_micro_batch(
             outputs = list(_storages(output).values())
             model_output = float(sum(t.untyped_storage().nbytes() for t in outputs))
             model_output_saved = sum(_bytes_if_saved(tracker, t) for t in outputs)
-            del output, outputs  # the loss's backward starts without them, as a pipeline stage's does
+            del output, outputs  # counted apart: the last stage keeps every micro-batch's output
             forward = tracker.peak_so_far().by_category
             end = bounds.now()
             for p in meta.parameters():  # a later micro-batch's gradients are added to the earlier ones'
