@@ -74,16 +74,17 @@ NOTES = """
   sharing two cores with their gloo threads) carry that noise; models whose steps are a few
   milliseconds (the conformance models) are the most exposed. `pp_dp`'s step is under-predicted
   throughout (its bookkeeping per micro-batch is measured on a model far smaller than the stages).
-- **`pp_dp`'s memory** is within 3.1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
+- **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
   `ResidualSequentialNet`: the pipeline's own buffers are counted once (the batch on every rank, torch's
   receive buffers for the activation, the inputs passed along and the gradient, the last stage's outputs,
   what 1F1B's sends hold), and every micro-batch after the first computes its gradients next to the
-  accumulated ones. The measurement counts a buffer made before the measured step from its first use in
-  it, so at the first stage's peak the last micro-batch's gradient buffer is still missing (2.0 kB, nearly
-  all of `ConvNet`'s 3.1 %). The split into categories differs more than the totals: the measurement
-  files FSDP2's gathered parameters that a layer saves under activations and the unsharded gradients
-  accumulating over the micro-batches under temporaries. Hugging Face models (`CausalLMOutputWithPast`
-  outputs) and models with weights tied across stages are not run by `pp_dp` (`advise` prints why).
+  accumulated ones. The measurement counts the batch and the receive buffers from the step's start, and
+  no meta tensors (each stage computes the shapes of the modules other stages own on the meta device). The
+  split into categories differs more than the totals: the measurement files FSDP2's gathered parameters
+  that a layer saves under activations, the unsharded gradients accumulating over the micro-batches under
+  temporaries and a buffer a layer saves under activations. Hugging Face models
+  (`CausalLMOutputWithPast` outputs) and models with weights tied across stages are not run by `pp_dp`
+  (`advise` prints why).
 """
 NOT_COVERED = ""
 
