@@ -70,14 +70,22 @@ def measure_pipeline_step(
             f" which pp_dp with {devices} stages (1F1B) needs; use a batch size divisible by {devices}"
         )
     strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=devices, microbatches=m, schedule=schedule)
-    return measure_step(
-        model,
-        inputs,
-        strategy=strategy,
-        devices=devices,
-        repeats=repeats or STEP_REPEATS,
-        module=_pipeline_module(model),
-    )
+    return measure_step(model, inputs, strategy=strategy, devices=devices, repeats=repeats or STEP_REPEATS,
+                        module=_pipeline_module(model), live_from_start=held_by_the_pipeline)  # fmt: skip
+
+
+def held_by_the_pipeline(trainer: Any, batch: Any) -> list[torch.Tensor]:
+    """What a pipeline rank holds through a whole step though its first use may come late: the step's
+    batch (a stage that is neither first nor last never reads it) and torch's receive buffers, made at the
+    first step and kept, one per micro-batch for the activations and for the gradients coming back."""
+    from lit_parallel._compat import tree_flatten
+
+    held = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    pipeline = getattr(trainer.strategy, "pipeline", None)
+    for stage in getattr(pipeline, "pipe_stages", ()):
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            held += [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    return held
 
 
 def pipeline_step_s(pred: Any) -> dict[str, float | None]:

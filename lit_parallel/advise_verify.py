@@ -86,7 +86,7 @@ def _lightning_module(model: nn.Module):
     return VerifyStep()
 
 
-def _probe(track_batch: int):
+def _probe(track_batch: int, live_from_start: Any = None):
     from lightning.pytorch import Callback
 
     from lit_parallel.parallel.live_memory import LiveMemory
@@ -100,6 +100,8 @@ def _probe(track_batch: int):
             if batch_idx == track_batch:
                 self.tracker = LiveMemory(pl_module, trainer.optimizers[0])
                 self.tracker.__enter__()
+                if live_from_start is not None:
+                    self.tracker.count(live_from_start(trainer, batch))
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -115,17 +117,18 @@ def _probe(track_batch: int):
 
 def measure_step(
     model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = STEP_REPEATS,
-    module: Any = None,
+    module: Any = None, live_from_start: Any = None,
 ):  # fmt: skip
-    """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the lower quartile of
-    the ``repeats`` after it. Returns ``(peak, seconds)``. ``module``: the LightningModule to fit
-    around ``model`` (default: forward, the planner's loss, AdamW)."""
+    """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the lower quartile
+    of the ``repeats`` after it. Returns ``(peak, seconds)``. ``module``: the LightningModule to fit around
+    ``model`` (default: forward, the planner's loss, AdamW). ``live_from_start(trainer, batch)``: tensors
+    made before the measured step that are live all of it (counted from its start)."""
     import logging
     import warnings
 
     import lightning as L
 
-    probe = _probe(track_batch=3)
+    probe = _probe(track_batch=3, live_from_start=live_from_start)
     for name in ("lightning.pytorch", "lightning.fabric", "lit_parallel"):  # every Trainer's tips and banners
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")

@@ -405,18 +405,16 @@ def test_live_memory_sorts_the_peak_into_params_grads_optimizer_activations():
 
 
 def test_live_memory_splits_a_moment_by_what_its_storages_turn_out_to_be():
-    w = torch.ones(8, requires_grad=True)  # created outside: not counted
+    w = torch.ones(8, requires_grad=True)  # created outside: counted from the first op that reads it
     with LiveMemory() as live:
-        h = w * 2  # 8 x 4 bytes, nothing saved yet: a temporary so far
+        h = w * 2  # w and h, 8 x 4 bytes each, nothing saved yet: temporaries so far
         early, now = live.moment(), live.snapshot().by_category
         out = h.sin()  # sin saves its input: h is an activation, at the earlier moment too
         assert out.shape == (8,)
-    assert (now["temporaries"], now["activations"]) == (32, 0)
+    assert (now["temporaries"], now["activations"]) == (64, 0)
     split = live.split(early)
-    assert split.total == 32 and (split.by_category["temporaries"], split.by_category["activations"]) == (
-        0,
-        32,
-    )
+    assert split.total == 64
+    assert (split.by_category["temporaries"], split.by_category["activations"]) == (32, 32)
 
 
 def _shape_of(module):

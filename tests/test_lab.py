@@ -90,9 +90,10 @@ def _check_memory(out):
     for s in ("zero2", "fsdp_blocks", "tp_dp", "pp_dp"):
         assert measured[("128", s)] < measured[("128", "ddp_tuned")], s
     # pp_dp's largest stage holds its half of the blocks' state six times (shard, gathered copy, AdamW's two
-    # states, last step's and this step's gradients: 4 bytes each), the blocks being 99.9 % of the model
+    # states, last step's and this step's gradients: 4 bytes each), the blocks being 99.9 % of the model, and
+    # besides it the activations, a gradient being added and the pipeline's buffers (5 % here)
     block = 2 * 128 + 128 * 512 + 512 + 512 * 128 + 128
-    assert 6 * 4 * 2 * block < measured[("128", "pp_dp")] < 1.05 * 6 * 4 * 2 * block
+    assert 6 * 4 * 2 * block < measured[("128", "pp_dp")] < 1.06 * 6 * 4 * 2 * block
     pp = [r for r in rows if r["strategy"] == "pp_dp"]
     assert all(float(r["measured_optimizer"]) > 0 and float(r["measured_activations"]) > 0 for r in pp)
     # the planner: DDP, TP and PP within 10 %; FSDP2's buffers on these toy blocks within 15 % (docs/lab/memory.md)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from lit_parallel.lab.memory import BlockMLP
+from lit_parallel.parallel.live_memory import LiveMemory
 from lit_parallel.parallel.peak_pipeline import (
     backward_moment,
     in_flight,
@@ -21,6 +23,7 @@ from lit_parallel.parallel.peak_pipeline import (
     stage_peaks,
 )
 from lit_parallel.parallel.precision import precision_bytes
+from lit_parallel.parallel.step_simulation import default_loss
 
 
 def test_pipeline_step_time_is_the_bubble_plus_one_transfer_each_way_per_slot():
@@ -82,7 +85,7 @@ def test_the_layout_advise_predicts():
 def test_a_stage_peak_adds_the_terms_written_in_the_module_docstring():
     """BlockMLP(width 8, depth 2), fp32, 2 stages (a block each), batch 16 -> 8 micro-batches of 2."""
     torch.manual_seed(0)
-    w, b = 8, 2
+    w, b, m = 8, 2, 8
     model = BlockMLP(w, depth=2)
     names = ["blocks.0", "blocks.1"]
     lay = pipeline_layout(2, 1, 16)
@@ -90,7 +93,11 @@ def test_a_stage_peak_adds_the_terms_written_in_the_module_docstring():
     # what a block saves, per sample, in fp32: LayerNorm's input, mean and rstd (w + 2), the first Linear's
     # input (w), GELU's input and output (4w + 4w)
     assert sim.blocks == [4 * b * (10 * w + 2)] * 2
-    assert sim.outputs == [4 * b * w] * 2
+    act, logits = 4 * b * w, 4 * b * 4  # a block's output (and the model's input); the head's output
+    assert sim.outputs == [act] * 2
+    # block 0's LayerNorm saves the model's input, block 1's the residual sum block 0 returns
+    assert sim.block_inputs == [act, 0.0] and sim.input_saved == [0.0, act] and sim.output_saved == [0.0] * 2
+    assert (sim.inputs, sim.model_output, sim.model_output_saved) == (act, logits, 0.0)
     peaks = stage_peaks(model, pipeline_plan(model, names, lay), names, lay, sim, precision_bytes("32-true"),
                         device_type="cpu")  # fmt: skip
     first = peaks[0]
@@ -99,15 +106,115 @@ def test_a_stage_peak_adds_the_terms_written_in_the_module_docstring():
     assert first.params == n * (4 + 4)  # its (one-rank) shard + FSDP2's gathered copy, kept all step
     assert first.grads == n * (4 + 4)  # last step's, held, + the ones accumulating over micro-batches
     assert first.optimizer == n * 8 + 6 * 4  # AdamW's two states + a step counter per tensor
-    assert first.activations == 2 * sim.blocks[0]  # 1F1B: stage 0 of 2 holds 2 micro-batches
-    # its output kept for backward per micro-batch in flight, one gradient receive buffer per micro-batch
-    assert first.temporaries - sim.temporaries == 2 * 4 * b * w + 8 * 4 * b * w
+    # 1F1B: stage 0 of 2 holds 2 micro-batches; their inputs are slices of the batch, counted once below
+    assert first.activations == 2 * (sim.blocks[0] - act)
+    # the step's batch and one gradient receive buffer per micro-batch; the outputs of the 2 micro-batches
+    # in flight; the output of the first, which its send keeps until the cooldown
+    assert first.temporaries - sim.temporaries == m * act + m * act + 2 * act + act
     last = peaks[1]
     head = 4 * w + 4
-    # its backward: the head and the loss go back first (only the head gathered, every activation live),
-    # then the block (gathered as well, the head's and the loss's activations freed): here the second
     assert sim.suffix < n * 4
     assert last.params == (n + head) * (4 + 4)
-    assert last.activations == sim.blocks[1]
-    # activations arrive into one receive buffer per micro-batch; the one in flight is the block's input
-    assert last.temporaries - sim.temporaries == (8 - 1) * 4 * b * w
+    # its backward: the head and the loss go back first (only the head gathered, every activation live),
+    # then the block (gathered as well, the head's and the loss's activations freed): here the second; the
+    # block's input is the activation receive buffer, counted with the buffers
+    assert last.activations == sim.blocks[1] - act
+    # the batch; receive buffers per micro-batch for the activation and for the model's input passed along;
+    # every micro-batch's output (returned merged); the gradient the previous backward sent back
+    assert last.temporaries - sim.temporaries == m * act + m * (act + act) + m * logits + act
+
+
+class TinyConvNet(nn.Module):
+    """A convolution, two blocks of convolution, BatchNorm and ReLU (each keeps 2 channels), a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 2, 3, padding=1)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2), nn.ReLU())
+                                      for _ in range(2)))  # fmt: skip
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def test_a_conv_stage_counts_its_batch_norm_buffers_once_and_the_gradients_a_later_micro_batch_adds():
+    """TinyConvNet, fp32, 2 stages (the stem and a block; a block and the head), batch 8 of 1 x 4 x 4 ->
+    8 micro-batches of one sample."""
+    model, names, m = TinyConvNet(), ["blocks.0", "blocks.1"], 8
+    lay = pipeline_layout(2, 1, m)
+    x = torch.randn(1, 1, 4, 4)
+    sim = simulate_micro_batch(model, names, (x.to("meta"),))
+    inp, act, stats = (
+        4 * 16,
+        4 * 2 * 16,
+        4 * 2,
+    )  # the input, a block's activation, one statistic of 2 channels
+    # the stem saves the input; block 0's convolution its input (the stem's output); each block saves its
+    # BatchNorm's input, BatchNorm's batch mean and inverse deviation and running mean and variance, and its
+    # ReLU's output (which is the block's output; block 1's convolution input is block 0's ReLU output)
+    assert sim.prefix == sim.prefix_inputs == inp
+    assert sim.blocks == [act + act + 4 * stats + act, act + 4 * stats + act]
+    assert sim.input_saved == [act, 0.0] and sim.output_saved == [act, act] and sim.outputs == [act, act]
+    assert sim.block_inputs == [0.0, 0.0] and sim.inputs == inp and sim.model_output == 4 * 3
+    # a micro-batch after the first: each gradient is computed into a new tensor, then added to the .grad
+    # already there; the simulation's temporaries are those of a real second micro-batch's backward on CPU
+    real = TinyConvNet()
+    real.load_state_dict(model.state_dict())
+    default_loss(real(x), (x,)).backward()
+    with LiveMemory(real) as live:
+        loss = default_loss(real(x), (x,))
+        forward = live.peak_so_far().by_category["temporaries"]
+        live.reset_peak()
+        loss.backward()
+        del loss
+    assert sim.temporaries == max(forward, live.peak.by_category["temporaries"])
+    assert sim.temporaries >= 4 * 2 * 2 * 9  # the new gradient of a block's convolution weight among them
+    first, last = stage_peaks(model, pipeline_plan(model, names, lay), names, lay, sim, precision_bytes("32-true"),
+                              device_type="cpu")  # fmt: skip
+    # stage 0 holds 2 micro-batches: the stem's saved input is a slice of the batch, block 0's ReLU output
+    # the stage output (both counted below)
+    assert first.activations == 2 * (act + act + 4 * stats)
+    # the batch; a gradient receive buffer per micro-batch; the outputs in flight; the one the first send keeps
+    assert first.temporaries - sim.temporaries == m * inp + m * act + 2 * act + act
+    # stage 1 holds one micro-batch, its worst moment the block's backward (the head's and the loss's saved
+    # tensors freed, the block gathered): its BatchNorm's and ReLU's; its convolution's input is the
+    # activation receive buffer (counted below)
+    assert last.activations == act + 4 * stats + act
+    # the batch; receive buffers for the activation and the input passed along; every micro-batch's output;
+    # the gradient the previous backward sent back
+    assert last.temporaries - sim.temporaries == m * inp + m * (act + inp) + m * 4 * 3 + act
+
+
+def test_live_memory_does_not_count_meta_tensors_of_a_real_run_and_counts_what_an_op_reads():
+    buffer = torch.zeros(256)  # made before tracking, like torch's pipeline receive buffers (1 kB)
+    with LiveMemory() as live:
+        shape_only = torch.empty(1000, device="meta")  # a shape computation: no memory
+        (buffer * 2).sum()  # reads the buffer: it is live, 1 kB, next to the product's 1 kB
+    assert live.peak.total == 2 * 1024 + 4
+    with LiveMemory(meta=True) as simulated:
+        torch.empty(1000, device="meta")
+    assert simulated.peak.total == 4000
+    del shape_only
+
+
+def test_live_memory_rereads_a_storage_resized_in_place_when_an_op_writes_it():
+    """FSDP2 frees gathered parameters by resizing their storage to 0 and gathers them again into it."""
+    with LiveMemory() as live:
+        gathered = torch.zeros(256)  # 1 kB
+        gathered.untyped_storage().resize_(0)  # resharded
+        other = torch.zeros(512)  # 2 kB: a new peak, for which every live storage's size is read again
+        gathered.untyped_storage().resize_(1024)  # gathered again ...
+        gathered.fill_(1.0)  # ... and written: 3 kB live
+    assert live.peak.total == 3 * 1024
+    del other
+
+
+def test_live_memory_counts_buffers_made_before_tracking_from_the_start_when_told():
+    """torch's pipeline receive buffers are made at the first step and first used late in the next ones."""
+    buffers = [torch.zeros(256), torch.zeros(256)]  # 1 kB each
+    with LiveMemory() as live:
+        live.count([*buffers, "not a tensor"])
+        peak_before_use = live.snapshot().total
+        buffers[0].fill_(1.0)  # used: already counted, not twice
+    assert peak_before_use == live.peak.total == 2 * 1024

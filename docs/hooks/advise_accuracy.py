@@ -79,11 +79,14 @@ NOTES = """
   sides, is the lower quartile of its repeats (noise only adds time; the median moves with it), and the
   launch measures in 3 rounds, each timing the prediction's parts right before the measured steps, every
   figure the median over the rounds: prediction and measurement sample the same stretch of time.
-- **`pp_dp`'s memory** is within 2.2 % on models whose blocks sit in a `ModuleList` or keep their shape
-  (the recipes' GPT and Llama, `ResidualSequentialNet`) and 28-38 % short on the convolutional ones
-  (`ImageClassifier`, `ConvNet`), whose stages' BatchNorm / convolution buffers per micro-batch the stage
-  simulation does not follow yet. Hugging Face models (`CausalLMOutputWithPast` outputs) and models with
-  weights tied across stages are not run by `pp_dp` (`advise` prints why).
+- **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
+  `ResidualSequentialNet`: the pipeline's own buffers are counted once (the batch on every rank, torch's
+  receive buffers for the activation, the inputs passed along and the gradient, the last stage's outputs,
+  what 1F1B's sends hold), and every micro-batch after the first computes its gradients next to the
+  accumulated ones. The measurement counts the batch and the receive buffers from the step's start, and
+  no meta tensors (each stage computes the shapes of the modules other stages own on the meta device). Hugging Face models
+  (`CausalLMOutputWithPast` outputs) and models with weights tied across stages are not run by `pp_dp`
+  (`advise` prints why).
 """
 NOT_COVERED = ""
 

@@ -17,8 +17,9 @@ new storage once (by identity, so views are free) and subtracts it when the stor
 * ``temporaries``: everything else (outputs, gradients flowing through backward, optimizer scratch, FSDP2's
   flat all-gather outputs and reduce-scatter inputs).
 
-Meta tensors hold no memory and are not counted in a real step (a pipeline stage runs stand-ins for other
-stages' modules on meta); in a simulation on meta (every parameter on meta) they are what is counted.
+Meta tensors hold no memory: a real run's (shape computations, such as ``pp_dp``'s stand-ins for modules
+other stages own) are not counted; a simulation on the meta device counts them (``meta=True``).
+
 Storages allocated outside Python's dispatcher view (e.g. by a C++ component before the mode was
 entered) are invisible unless they already belong to one of the groups above; parameters and optimizer
 state that exist when tracking starts are counted from the start.
@@ -68,10 +69,12 @@ class LiveMemory(TorchDispatchMode):
     Args:
         module: whose parameters (and their gradients) are counted as such; or the parameters themselves.
         optimizer: whose state is counted as optimizer state.
-        exact: re-read every live storage's size whenever a new peak is about to be recorded. FSDP2 frees
-            and re-gathers parameters by resizing their storage in place, which no op or finalizer
-            reports; with ``exact`` those bytes are right. Costs time per allocation: off for meta-device
-            simulations, whose storages never resize.
+        exact: re-read a storage's size whenever an op reads or writes it, and every live storage's size
+            whenever a new peak is about to be recorded. FSDP2 frees and re-gathers parameters by resizing
+            their storage in place, which no op or finalizer reports (the gather's copy into the resized
+            storage is an op); with ``exact`` those bytes are right. Costs time per allocation: off for
+            meta-device simulations, whose storages never resize.
+        meta: count meta tensors, by the bytes they would take (a simulation on the meta device).
     """
 
     def __init__(
@@ -79,16 +82,15 @@ class LiveMemory(TorchDispatchMode):
         module: nn.Module | Iterable[torch.Tensor] | None = None,
         optimizer: Any = None,
         exact: bool = True,
+        meta: bool = False,
     ) -> None:
         super().__init__()
-        self.exact = exact
+        self.exact, self.meta = exact, meta
         self.refs: dict[int, Any] = {}
         self.params = list(
             dict.fromkeys(module.parameters() if isinstance(module, nn.Module) else module or ())
         )
         self.optimizer = optimizer
-        # meta tensors hold no memory: counted only in a simulation on meta (no parameter off meta)
-        self.meta = all(_local(p).is_meta for p in self.params)
         # storage identity -> allocation number: a freed storage's address may be reused by a new one,
         # so everything else is keyed by allocation, which is never reused
         self.live: dict[int, int] = {}
@@ -106,12 +108,19 @@ class LiveMemory(TorchDispatchMode):
 
     def _add(self, t: torch.Tensor) -> int | None:
         t = _local(t)
-        if t.is_meta and not self.meta:  # no memory (a pipeline stage's stand-ins for others' modules)
+        if t.device.type == "meta" and not self.meta:
             return None
         storage = t.untyped_storage()
         key = storage_key(t)
         if key in self.live:
-            return self.live[key]
+            alloc = self.live[key]
+            if (
+                self.exact and storage.nbytes() != self.sizes[alloc]
+            ):  # resized in place since (FSDP2's gather)
+                self.current += storage.nbytes() - self.sizes[alloc]
+                self.sizes[alloc] = storage.nbytes()
+                self._check_peak()
+            return alloc
         self._count += 1
         alloc = self.live[key] = self._count
         self.sizes[alloc] = nbytes = storage.nbytes()
@@ -166,6 +175,18 @@ class LiveMemory(TorchDispatchMode):
         """A :meth:`moment`'s bytes by category, with the roles known now."""
         return MemoryPeak(sum(moment.sizes.values()), self._split(moment.sizes, moment.sizes))
 
+    def count(self, tensors: Iterable[Any]) -> None:
+        """Count ``tensors`` (others in the iterable are skipped), made before tracking, as live from now:
+        buffers a step holds all along but first uses later (torch's pipeline receive buffers)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and not t.is_sparse:
+                self._add(t)
+
+    def kind_of(self, t: torch.Tensor) -> str | None:
+        """The category ``t``'s storage is counted in now; ``None`` when it is not counted."""
+        alloc = self.live.get(storage_key(_local(t)))
+        return None if alloc is None else self.kinds.get(alloc, "temporaries")
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (to find the peak of one phase)."""
         self.peak = MemoryPeak(self.current)
@@ -180,6 +201,11 @@ class LiveMemory(TorchDispatchMode):
         return self._at_peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # what an op reads is live too: a storage made before tracking started (a buffer kept between steps)
+        # is counted from its first use
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and not t.is_sparse:
+                self._add(t)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not t.is_sparse:
@@ -198,7 +224,9 @@ class LiveMemory(TorchDispatchMode):
 
     def _mark(self, t: torch.Tensor, kind: str) -> None:
         alloc = self._add(t)  # a storage allocated outside the mode (DDP's buckets) is counted from here
-        if alloc is not None and (kind in ("params", "optimizer") or alloc not in self.kinds):
+        if alloc is None:
+            return
+        if kind in ("params", "optimizer") or alloc not in self.kinds:
             self.kinds[alloc] = kind
 
     def _label(self, t: torch.Tensor, kind: str) -> None:

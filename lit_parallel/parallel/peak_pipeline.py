@@ -9,9 +9,10 @@ several nodes (``d`` = devices per node), one stage per device on one node (``d 
 ``M = 4 P`` micro-batches as the advisor chooses (fewer when the batch does not divide: see
 :func:`pipeline_microbatches`).
 
-One micro-batch is simulated on the meta device (forward, the planner's loss, backward, as in
-:mod:`~lit_parallel.parallel.step_simulation`), with the saved activations attributed to the modules before
-the blocks, to each block and to what follows them (head and loss). What stage ``s`` holds at its peak,
+One micro-batch is simulated on the meta device (:mod:`~lit_parallel.parallel.pipeline_simulation`:
+forward, the planner's loss, backward into gradients that already exist, as every micro-batch but the
+first runs), with the saved activations attributed to the modules before the blocks, to each block and to
+what follows them (head and loss). What stage ``s`` holds at its peak,
 the steady state of the schedule, after its first backward (``c``: bytes of the compute dtype; ``b``:
 ZeRO's bytes per parameter of the precision):
 
@@ -27,15 +28,22 @@ ZeRO's bytes per parameter of the precision):
 * optimizer state: AdamW's, sharded over ``d``, and one fp32 step counter per parameter tensor;
 * activations: the saved activations of the micro-batches in flight: ``min(P - s, M)`` under 1F1B, ``M``
   under GPipe, less those of the oldest one's blocks its backward has passed at that moment (the
-  simulation saves what the fused attention kernel saves, as a real step does);
-* temporaries: the stage output kept for backward per micro-batch in flight (stages before the last);
-  torch's receive buffers, one per micro-batch for the activations (stages after the first; those of the
-  micro-batches in flight are already counted as activations) and one per micro-batch for the gradients
-  coming back (stages before the last); the largest temporaries of one micro-batch's forward or backward
-  (with activation checkpointing they include the block backward recomputes).
+  simulation saves what the fused attention kernel saves, as a real step does), less the tensors that
+  live in the pipeline's own buffers (counted once, below): the model's inputs, the stage's received
+  activation, the stage's output;
+* temporaries (:func:`boundary_terms`): the step's batch (every rank holds it; the micro-batches are
+  slices of it); torch's receive buffers, allocated at the first step and kept, one per micro-batch for
+  the activation and the model's inputs passed along (stages after the first) and for the gradient coming
+  back (stages before the last); every micro-batch's output on the last stage (the schedule keeps them
+  until the next step); the stage output of each micro-batch in flight; what 1F1B's sends hold: the
+  output of the second-last warmup forward (until the cooldown) and the gradient the previous backward
+  sent back (until the next one's); the largest temporaries of one micro-batch's forward or backward
+  (a backward into existing gradients: each parameter's new gradient next to the accumulated one; with
+  activation checkpointing they include the block backward recomputes).
 
-The optimizer step (stage state, its gradients, AdamW's scratch, the receive buffers) is the other
-moment; the larger one, on the stage with the largest total, is the prediction.
+The optimizer step (stage state, its gradients, AdamW's scratch, the kept buffers, the batch and the last
+stage's outputs) is the other moment; the larger one, on the stage with the largest total, is the
+prediction.
 
 Step time (:func:`pipeline_step_time`): with equal stages of compute ``t`` per step, GPipe and 1F1B take
 ``(M + P - 1)`` slots of one micro-batch's forward and backward, ``t / M``, each slot also paying the
@@ -45,13 +53,13 @@ bandwidth each): the idle fraction, the bubble, is ``(P - 1) / (M + P - 1)``.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from lit_parallel.parallel.pipeline_simulation import MicroBatchSimulation, simulate_micro_batch
 from lit_parallel.parallel.precision import PrecisionBytes
 
 PREDICTED_SCHEDULES = ("1F1B", "GPipe")
@@ -64,6 +72,7 @@ __all__ = [
     "StageBytes",
     "PipelinePrediction",
     "backward_moment",
+    "boundary_terms",
     "in_flight",
     "pipeline_layout",
     "pipeline_microbatches",
@@ -127,83 +136,6 @@ def pipeline_layout(
     if m is None:
         return None
     return PipelineLayout(p, m, world // p, schedule, batch_size // m)
-
-
-@dataclass(frozen=True)
-class MicroBatchSimulation:
-    """One micro-batch simulated on meta: saved activations before the blocks (``prefix``), per block, and
-    after them (``suffix``: head and loss); each block's output bytes; the largest temporaries."""
-
-    prefix: float
-    blocks: list[float]
-    suffix: float
-    outputs: list[float]
-    temporaries: float
-
-
-def simulate_micro_batch(
-    module: nn.Module,
-    block_names: list[str],
-    args: tuple,
-    *,
-    dtype: torch.dtype = torch.float32,
-    activation_checkpointing: bool = False,
-) -> MicroBatchSimulation:
-    """Forward, :func:`~lit_parallel.parallel.step_simulation.default_loss` and backward of one micro-batch
-    (``args``: meta tensors) on a meta copy of ``module``, saved activations attributed by block."""
-    from lit_parallel.parallel.activations import forward_target
-    from lit_parallel.parallel.example_inputs import to_meta
-    from lit_parallel.parallel.fused_attention import fused_attention_on_meta
-    from lit_parallel.parallel.live_memory import LiveMemory
-    from lit_parallel.parallel.parallelize import apply_activation_checkpointing
-    from lit_parallel.parallel.step_simulation import default_loss, meta_copy
-
-    meta = meta_copy(module, dtype)
-    blocks = [meta.get_submodule(n) for n in block_names]
-    tracker = LiveMemory(list(meta.parameters()), exact=False)
-    marks: list[tuple[float, float]] = []  # (activations before, after) per block call
-    outputs: list[float] = []
-
-    def saved() -> float:
-        return float(tracker.snapshot().by_category["activations"])
-
-    def pre(module: nn.Module, _args: Any) -> None:
-        marks.append((saved(), 0.0))
-
-    def post(module: nn.Module, _args: Any, out: Any) -> None:
-        marks[-1] = (marks[-1][0], saved())
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        outputs.append(float(first.untyped_storage().nbytes()) if isinstance(first, torch.Tensor) else 0.0)
-
-    handles = []
-    for block in blocks:
-        if activation_checkpointing:
-            apply_activation_checkpointing(block)
-        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
-    args = tuple(to_meta(a, dtype) for a in args)
-    # the fused kernel's saved tensors, as a real step saves them (not with checkpointing: the recomputation
-    # must see the same ops, as in step_simulation)
-    attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
-    try:
-        with tracker, attention:
-            loss = default_loss(forward_target(meta, blocks)(*args), args)
-            forward = tracker.peak_so_far().by_category
-            end = saved()
-            tracker.reset_peak()
-            loss.backward()
-            del loss
-    finally:
-        for h in handles:
-            h.remove()
-    backward = tracker.peak.by_category
-    per_block = [after - before for before, after in marks]
-    return MicroBatchSimulation(
-        prefix=marks[0][0] if marks else end,
-        blocks=per_block,
-        suffix=end - marks[-1][1] if marks else 0.0,
-        outputs=outputs,
-        temporaries=float(max(forward.get("temporaries", 0), backward.get("temporaries", 0))),
-    )
 
 
 @dataclass(frozen=True)
@@ -273,6 +205,42 @@ def pipeline_plan(module: nn.Module, block_names: list[str], layout: PipelineLay
                          microbatches=layout.microbatches)  # fmt: skip
 
 
+def boundary_terms(
+    sim: MicroBatchSimulation, ids: list[int], stage: int, stages: int, microbatches: int, schedule: str
+) -> tuple[float, float, float, list[float], float]:
+    """What stage ``stage`` (blocks ``ids``) holds at a pipeline's boundaries, besides its blocks' saved
+    activations: ``(kept, in_step, head, blocks, tail)``.
+
+    ``kept``, from one step to the next (the optimizer step included): the step's batch (on every rank);
+    torch's receive buffers, one per micro-batch, for the activation and the inputs passed along (stages
+    after the first) and for the gradient coming back (stages before the last); the last stage's outputs
+    of every micro-batch (the schedule returns them merged; ``clear_runtime_states`` drops them at the next
+    step). ``in_step``, during the schedule: the stage output of each micro-batch in flight, and under 1F1B
+    what its sends hold: the output of the second-last warmup forward (its send's work is kept until the
+    cooldown) and the gradient the previous backward sent back (until the next backward sends its own).
+    ``head``, ``blocks``, ``tail``: the saved activations of the stage's pieces less what is counted above
+    (the model's inputs saved: slices of the batch, or on later stages their receive buffers; the receive
+    buffer the first block saves; the output the last block saves; the output the loss saves)."""
+    last, m = stage == stages - 1, microbatches
+    out_b = 0.0 if last else sim.outputs[ids[-1]]
+    in_b = 0.0 if stage == 0 else sim.outputs[ids[0] - 1]
+    blocks = [sim.blocks[i] - sim.block_inputs[i] for i in ids]
+    if stage:
+        blocks[0] -= sim.input_saved[ids[0]]
+    if not last:
+        blocks[-1] -= sim.output_saved[ids[-1]]
+    head = sim.prefix - sim.prefix_inputs if stage == 0 else 0.0
+    tail = sim.suffix - sim.suffix_inputs - sim.model_output_saved if last else 0.0
+    kept = m * (
+        sim.inputs + out_b + (in_b + sim.inputs if stage else 0.0) + (sim.model_output if last else 0.0)
+    )
+    k = in_flight(schedule, stage, stages, m)
+    in_step = k * out_b
+    if schedule == "1F1B":
+        in_step += (out_b if k >= 2 and m >= 2 * k - 1 else 0.0) + (in_b if m >= k + 1 else 0.0)
+    return kept, in_step, head, blocks, tail
+
+
 def stage_peaks(
     module: nn.Module,
     plan: Any,
@@ -290,25 +258,20 @@ def stage_peaks(
     opt_elem = 4 if b.optimizer >= 8 else 2  # AdamW's scratch in the master dtype
     out = []
     for stage in plan.stages:
-        s, last = stage.index, stage.index == plan.num_stages - 1
+        s = stage.index
         params, trainable, tensors, largest = _stage_counts(module, stage.pieces)
-        ids = [index[n] for n in stage.blocks]
         k = in_flight(layout.schedule, s, plan.num_stages, m)
-        boundary_out = 0.0 if last else sim.outputs[ids[-1]]
-        boundary_in = 0.0 if s == 0 else sim.outputs[ids[0] - 1]
-        buffers = m * boundary_out + m * boundary_in  # torch's receive buffers, kept between steps
+        ids = [index[n] for n in stage.blocks]
+        kept, in_step, head, blocks, tail = boundary_terms(sim, ids, s, plan.num_stages, m, layout.schedule)
         optimizer = trainable * b.optimizer / d + 4 * tensors
         scratch = (trainable / d if device_type == "cuda" else 2 * largest) * opt_elem
         per_block = [_numel(module, n) * c for n in stage.blocks]
         root = params * c - sum(per_block)
-        head, tail = sim.prefix if s == 0 else 0.0, sim.suffix if last else 0.0
-        gathered, live = backward_moment(k, head, [sim.blocks[i] for i in ids], tail, root, per_block, d > 1)
+        gathered, live = backward_moment(k, head, blocks, tail, root, per_block, d > 1)
         out.append(max(
             StageBytes(s, params * b.params / d + gathered, trainable * b.grads / d + trainable * b.grads,
-                       optimizer, live,
-                       k * boundary_out + buffers - k * boundary_in + sim.temporaries,
-                       "backward"),
-            StageBytes(s, params * b.params / d, trainable * b.grads / d, optimizer, 0.0, scratch + buffers,
+                       optimizer, live, kept + in_step + sim.temporaries, "backward"),
+            StageBytes(s, params * b.params / d, trainable * b.grads / d, optimizer, 0.0, scratch + kept,
                        "optimizer step"),
             key=lambda x: x.total,
         ))  # fmt: skip

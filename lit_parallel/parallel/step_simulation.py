@@ -194,7 +194,7 @@ def simulate_step(
             apply_activation_checkpointing(block)
     args = tuple(to_meta(a, dtype) for a in example.args)
     target = forward_target(meta, blocks)
-    tracker = _Segments(list(meta.parameters()), exact=False)
+    tracker = _Segments(list(meta.parameters()), exact=False, meta=True)
     # fused attention is simulated without checkpointing only: recomputation must see the same ops
     attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
     moments = _BlockMoments(tracker, blocks)
