@@ -87,7 +87,8 @@ class _Skip(nn.Module):
         out = self._shapes.get(key) if key is not None else None
         if out is None:
             meta_args, meta_kwargs = _map_tensors(lambda t: t.to("meta"), (args, kwargs))
-            out = self._meta(*meta_args, **meta_kwargs)
+            with torch.no_grad():  # shapes only: no graph (and no saved tensors) kept for them
+                out = self._meta(*meta_args, **meta_kwargs)
             if key is not None:
                 self._shapes[key] = out
         return _map_tensors(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
