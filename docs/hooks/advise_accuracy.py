@@ -79,6 +79,14 @@ NOTES = """
   sides, is the lower quartile of its repeats (noise only adds time; the median moves with it), and the
   launch measures in 3 rounds, each timing the prediction's parts right before the measured steps, every
   figure the median over the rounds: prediction and measurement sample the same stretch of time.
+- **Where the step time misses.** This run: 51 of 61 rows within 25 % (median error 13.1 %; the page
+  before this rework had 36 of 61, median 19.2 %). The ten misses are 28-37 %, eight of them on steps of
+  2-10 ms: `ddp_tuned` on the small transformer models (`gpt2`, `llama`, `t5`, `TorchDecoderLM`, all
+  under-predicted by 2-4 ms), the one-process step of `gpt2` and `ResidualSequentialNet`, `mlp`'s
+  `ddp_tuned`; and two recipe rows, GPT's ZeRO-2 and Llama's `pp_dp`. Which rows miss changes from run to
+  run: a partial run of the same code half an hour earlier had `gpt2`'s `ddp_tuned` at 5 % and Llama's
+  `pp_dp` at 24 %, one without the rounds had GPT's ZeRO-2 at 16 %. At a few milliseconds a step, one
+  scheduler delay of a gloo thread is 25 %.
 - **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
   `ResidualSequentialNet`: the pipeline's own buffers are counted once (the batch on every rank, torch's
   receive buffers for the activation, the inputs passed along and the gradient, the last stage's outputs,
