@@ -96,7 +96,7 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     collectives over the stage's data-parallel ranks) at the measured latency and bandwidth, the measured
     bookkeeping per slot, Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no
     pipeline)."""
-    from lit_parallel.parallel.pipeline_time import StageWork, uneven_pipeline_step
+    from lit_parallel.parallel.pipeline_time import StageWork, transfer_seconds, uneven_pipeline_step
     from lit_parallel.parallel.step_time import comm_seconds
 
     pipe, t = pred.report.pipeline, pred.timing
@@ -110,11 +110,7 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     slot_s = [w.ops * t.ops * t.op_s + w.flops * t.flops / m * t.flop_s for w in work]
     cost = (pred.costs or {}).get("pp_dp")  # measured per slot by advise --verify's calibration
     groups = max(w.groups for w in work)
-    transfer = 0.0
-    if lay.stages > 1:
-        transfer = pred.latency_s + (
-            pipe.boundary_bytes / (pred.busbw_gbps * 1e9) if pred.busbw_gbps else 0.0
-        )
+    transfer = transfer_seconds(pipe.boundary_bytes, pred.latency_s, pred.busbw_gbps)
     time = uneven_pipeline_step(slot_s, microbatches=m, transfer_s=transfer,
                                 overhead_per_slot_s=cost.slot_s + cost.group_s * groups if cost else 0.0)  # fmt: skip
     opt = share * (t.tensors * t.optimizer_tensor_s + t.elements / lay.data_parallel * t.optimizer_element_s)

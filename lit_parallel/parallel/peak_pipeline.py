@@ -325,14 +325,11 @@ def pipeline_step_time(
         )
     if microbatches < 1 or stages < 1:
         raise ValueError(f"microbatches={microbatches} and stages={stages} must be at least 1")
-    slot = stage_compute_s / microbatches
-    transfer = 0.0
-    if stages > 1:
-        transfer = latency_s + (boundary_bytes / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0)
-    slots = microbatches + stages - 1
-    return PipelineStepTime(
-        stage_compute_s, (stages - 1) * slot, slots * 2 * transfer, slots * slot_overhead_s
-    )
+    from lit_parallel.parallel.pipeline_time import transfer_seconds, uneven_pipeline_step
+
+    return uneven_pipeline_step([stage_compute_s / microbatches] * stages, microbatches=microbatches,
+                                transfer_s=transfer_seconds(boundary_bytes, latency_s, bandwidth_gbps),
+                                overhead_per_slot_s=slot_overhead_s)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,12 @@ def uneven_pipeline_step(
                             slots * 2 * transfer_s if len(slot_s) > 1 else 0.0, slots * overhead_per_slot_s)  # fmt: skip
 
 
+def transfer_seconds(boundary_bytes: float, latency_s: float, bandwidth_gbps: float | None) -> float:
+    """One stage boundary transfer (a micro-batch's activation, or its gradient): latency + bytes /
+    bandwidth (GB/s); without a bandwidth, the latency alone."""
+    return latency_s + (boundary_bytes / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0)
+
+
 def pipeline_stage_work(
     module: nn.Module, block_names: list[str], layout: Any, args: tuple
 ) -> list[StageWork]:
