@@ -55,10 +55,12 @@ def measure_pipeline_step(
     microbatches: int | None = None,
     schedule: str = PIPELINE_SCHEDULE,
     repeats: int | None = None,
+    between: Any = None,
 ):
     """Train ``model`` under ``pp_dp`` (``devices`` stages, data parallel 1) for ``4 + repeats`` steps on
     ``inputs``; this rank's peak of the fourth step and the lower quartile of the later steps. Call in every rank of a
-    launch of ``devices`` ranks. Returns ``(peak, seconds)``."""
+    launch of ``devices`` ranks. Returns ``(peak, seconds)``; ``between``: as in
+    :func:`~lit_parallel.advise_verify.measure_step`."""
     import lit_parallel as lp
     from lit_parallel.advise_verify import STEP_REPEATS, measure_step
 
@@ -71,7 +73,7 @@ def measure_pipeline_step(
         )
     strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=devices, microbatches=m, schedule=schedule)
     return measure_step(model, inputs, strategy=strategy, devices=devices, repeats=repeats or STEP_REPEATS,
-                        module=_pipeline_module(model), live_from_start=held_by_the_pipeline)  # fmt: skip
+                        module=_pipeline_module(model), live_from_start=held_by_the_pipeline, between=between)  # fmt: skip
 
 
 def held_by_the_pipeline(trainer: Any, batch: Any) -> list[torch.Tensor]:
@@ -94,8 +96,10 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     (:mod:`~lit_parallel.parallel.pipeline_time`), the schedule over them (the slowest stage busy, the others
     once: the bubble), the largest stage's AdamW step, the stage boundary transfers (and FSDP2's
     collectives over the stage's data-parallel ranks) at the measured latency and bandwidth, the measured
-    bookkeeping per slot, Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no
+    bookkeeping per slot (per FSDP group and per parameter byte of the largest stage), Lightning's per-step
+    overhead. ``None`` entries: not predictable (no timing, no
     pipeline)."""
+    from lit_parallel.parallel.calibration import pipeline_slot_s
     from lit_parallel.parallel.pipeline_time import StageWork, transfer_seconds, uneven_pipeline_step
     from lit_parallel.parallel.step_time import comm_seconds
 
@@ -111,8 +115,9 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     cost = (pred.costs or {}).get("pp_dp")  # measured per slot by advise --verify's calibration
     groups = max(w.groups for w in work)
     transfer = transfer_seconds(pipe.boundary_bytes, pred.latency_s, pred.busbw_gbps)
-    time = uneven_pipeline_step(slot_s, microbatches=m, transfer_s=transfer,
-                                overhead_per_slot_s=cost.slot_s + cost.group_s * groups if cost else 0.0)  # fmt: skip
+    grad = 4 if pred.report.precision == "32-true" else 2
+    per_slot = pipeline_slot_s(cost, groups, share * pred.report.shape.params * grad) if cost else 0.0
+    time = uneven_pipeline_step(slot_s, microbatches=m, transfer_s=transfer, overhead_per_slot_s=per_slot)
     opt = share * (t.tensors * t.optimizer_tensor_s + t.elements / lay.data_parallel * t.optimizer_element_s)
     comm = time.p2p_s + time.overhead_s  # transfers and the schedule's per-slot bookkeeping
     if pred.busbw_gbps and lay.data_parallel > 1:
@@ -130,17 +135,20 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
 
 
 def pipeline_worker_entry(
-    model: nn.Module, inputs: tuple, *, devices: int, repeats: int | None = None
+    model: nn.Module, inputs: tuple, *, devices: int, repeats: int | None = None, timer: Any = None
 ) -> dict[str, Any]:
     """``pp_dp`` measured in every rank of an ``advise --verify`` launch (``devices`` ranks = stages), in the
-    shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s}``. Raises what the
+    shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s, "timing": t}`` (``t``:
+    ``timer``'s parts timed between the steps, :func:`~lit_parallel.advise_verify.parts_timing`). Raises what the
     strategy raised (a model pp_dp cannot split, such as one with weights tied across stages): the caller
     ends the launch, since another rank may be waiting inside a pipeline step."""
     import torch.distributed as dist
 
-    from lit_parallel.advise_verify import peak_dict
+    from lit_parallel.advise_verify import parts_timing, peak_dict
 
-    peak, step_s = measure_pipeline_step(model, inputs, devices=devices, repeats=repeats)
+    peak, step_s = measure_pipeline_step(
+        model, inputs, devices=devices, repeats=repeats, between=timer.sample if timer else None
+    )
     peaks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_dict(peak))
-    return {"peaks": peaks, "step_s": step_s}
+    return {"peaks": peaks, "step_s": step_s, "timing": parts_timing(timer)}

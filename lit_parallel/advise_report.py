@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,13 @@ from lit_parallel.parallel.calibration import StrategyCost, fit_costs, fit_pipel
 from lit_parallel.parallel.formatting import format_bytes
 from lit_parallel.parallel.live_memory import CATEGORIES
 from lit_parallel.parallel.peak import LABELS, PeakReport, predict_peaks
-from lit_parallel.parallel.step_time import StepTime, collectives_per_step, comm_seconds, predict_step_time
+from lit_parallel.parallel.step_time import (
+    PartsTimer,
+    StepTime,
+    collectives_per_step,
+    comm_seconds,
+    predict_step_time,
+)
 
 MEMORY_TARGET, TIME_TARGET = 0.10, 0.25  # the planner's published error targets
 # time the whole model (or else its largest block) only when it takes less than this share of RAM
@@ -134,6 +140,28 @@ def meta_model(path: str, kwargs: dict[str, Any]) -> tuple[str, nn.Module, list[
     return getattr(factory, "__name__", path), module, names, largest
 
 
+def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str | None | bool:
+    """What `advise` times of ``module``: ``None`` for the whole model (it takes at most
+    :data:`STEP_TIME_BLOCK_LIMIT` of this machine's RAM; Python work between blocks included), else the
+    largest block's name; ``False`` when even that is too large to time here (a note in ``pred`` says so)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if pred.report.peaks["one_process"].total <= STEP_TIME_BLOCK_LIMIT * ram:
+        largest = None
+    unit = module.get_submodule(largest) if largest else module
+    unit_bytes = sum(p.numel() for p in unit.parameters()) * 16
+    if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
+        pred.notes.append(f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
+                          f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
+        return False
+    return largest
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    from lit_parallel.parallel.precision import precision_bytes
+
+    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
+
+
 def predict(
     path: str, kwargs: dict[str, Any], *, precision: str, devices: int, nodes: int, batch_size: int | None,
     seq_len: int | None, device_type: str, step_time: bool, busbw_gbps: float | None, latency_s: float = 0.0,
@@ -141,8 +169,6 @@ def predict(
 ) -> Prediction:  # fmt: skip
     """Peak memory of every strategy, and the step time when the model (or its largest block) can be timed
     here; ``costs``: what each strategy adds per step on the cluster (``advise --cluster``)."""
-    from lit_parallel.parallel.precision import precision_bytes
-
     name, module, names, largest = meta_model(path, kwargs)
     given = shaped_input(input_shape)
     report = predict_peaks(module, precision=precision, devices=devices, nodes=nodes, batch_size=batch_size,
@@ -168,19 +194,11 @@ def predict(
         )
     if not step_time:
         return pred
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if report.peaks["one_process"].total <= STEP_TIME_BLOCK_LIMIT * ram:
-        largest = None  # the whole model fits: time all of it (Python work between blocks included)
-    unit = module.get_submodule(largest) if largest else module
-    unit_bytes = sum(p.numel() for p in unit.parameters()) * 16
-    if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
-        pred.notes.append(f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
-                          f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
+    unit = timing_unit(pred, module, largest)
+    if unit is False:
         return pred
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
-    pred.timing = predict_step_time(
-        module, block_name=largest, dtype=dtype, batch_size=batch_size, seq_len=seq_len, example_inputs=given
-    )
+    pred.timing = predict_step_time(module, block_name=unit, dtype=compute_dtype(precision),
+                                    batch_size=batch_size, seq_len=seq_len, example_inputs=given)  # fmt: skip
     from lit_parallel.advise_verify import lightning_overhead
 
     pred.overhead_s = lightning_overhead()
@@ -260,25 +278,29 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
     ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len,
                             given=given(args.batch_size or 1) if given else None)  # fmt: skip
     one = predict(path, kwargs, precision="32-true", devices=1, nodes=1, batch_size=args.batch_size,
-                  seq_len=args.seq_len, device_type="cpu", step_time=True, busbw_gbps=None,
+                  seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=None,
                   input_shape=args.input_shape)  # fmt: skip
-    peak, step_s = _one_process_rounds(
-        one, model, real_inputs(ex.args, vocabulary(model)), path, kwargs, args
-    )
+    _, module, _, largest = meta_model(path, kwargs)
+    unit = timing_unit(one, module, largest)
+    timer = None
+    if unit is not False:
+        timer = PartsTimer(module, block_name=unit, batch_size=args.batch_size, seq_len=args.seq_len,
+                           example_inputs=given)  # fmt: skip
+    peak, step_s = _one_process_rounds(one, model, real_inputs(ex.args, vocabulary(model)), timer)
     cluster: dict[str, Any] = {}
     rows = error_rows("one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s)
     if args.verify_ranks > 1:
         n = args.verify_ranks
         res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=n, batch_size=args.batch_size,
                      seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
-                     input_shape=args.input_shape, timing_unit=(one.timing.block_name or '') if one.timing else None)  # fmt: skip
+                     input_shape=args.input_shape, timing_unit=None if timer is None else (unit or ""))  # fmt: skip
         multi = predict(path, kwargs, precision="32-true", devices=n, nodes=1, batch_size=args.batch_size,
                         seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
                         latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
-        # the compute, AdamW, Lightning's overhead and the calibration shapes in one process, as timed in the
-        # launch (every rank at once): the ranks' own speed on this machine
+        # Lightning's overhead and the calibration shapes in one process, as timed in the launch (every rank
+        # at once): the ranks' own speed on this machine; each strategy's compute and AdamW were timed
+        # between its own steps (its row's "timing")
         alone = res["alone"]
-        multi.timing = StepTime(**alone["timing"]) if alone["timing"] else None
         multi.overhead_s = alone["overhead_s"]
         one_cal = alone["one_process"]
         multi.costs = fit_costs(one_cal, {k: v for k, v in res["calibration"].items() if k != "pp_dp"})
@@ -295,31 +317,33 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
             if strategy not in multi.report.peaks:  # pp_dp on a model it does not predict: the notes say why
                 continue
             measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
+            timed = replace(multi, timing=StepTime(**got["timing"]) if got.get("timing") else None)
             rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
-                               multi.step_s(strategy), got["step_s"])  # fmt: skip
+                               timed.step_s(strategy), got["step_s"])  # fmt: skip
     return rows, cluster
 
 
-def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, path: str, kwargs: dict, args: Any):
-    """The one-process step measured in rounds, each after timing the prediction's parts again (the first
-    round's timing is ``one``'s): this machine's speed drifts over seconds, so the prediction (medians of
-    the timings, written into ``one``) and the measurement (median of the rounds) sample the same stretch
-    of time. Returns the first round's peak and the median step seconds."""
+def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer: PartsTimer | None):
+    """The one-process step measured in rounds, each after timing Lightning's overhead, with ``timer``
+    timing the prediction's parts between the measured steps: this machine's speed drifts by tens of percent
+    within a second, so the prediction (the medians over the rounds, written into ``one``) and the
+    measurement (the median of the rounds) see it at the same moments. Returns the first round's peak and
+    the median step seconds."""
     import statistics
 
-    from lit_parallel.advise_verify import ROUNDS, lightning_overhead, measure_step
+    from lit_parallel.advise_verify import ROUNDS, lightning_overhead, measure_step, parts_timing
     from lit_parallel.parallel.step_time import median_timing
 
-    peak, first = measure_step(model, inputs)
-    steps, timings, overheads = [first], [one.timing], [one.overhead_s]
-    _, module, _, _ = meta_model(path, kwargs)
-    for _ in range(ROUNDS - 1 if one.timing is not None else 0):
-        timings.append(predict_step_time(module, block_name=one.timing.block_name, batch_size=args.batch_size,
-                                         seq_len=args.seq_len, example_inputs=shaped_input(args.input_shape)))  # fmt: skip
+    peak, steps, timings, overheads = None, [], [], []
+    for _ in range(ROUNDS if timer is not None else 1):
         overheads.append(lightning_overhead())
-        steps.append(measure_step(model, inputs)[1])
-    if one.timing is not None:
-        one.timing, one.overhead_s = median_timing(timings), statistics.median(overheads)
+        got, step_s = measure_step(model, inputs, between=timer.sample if timer else None)
+        peak = peak or got
+        steps.append(step_s)
+        timings.append(parts_timing(timer))
+    if timer is not None:
+        one.timing = median_timing([StepTime(**t) for t in timings])
+        one.overhead_s = statistics.median(overheads)
     return peak, statistics.median(steps)
 
 
@@ -345,7 +369,8 @@ def print_verification(rows: list[dict], console: Any) -> None:
 def print_cluster(cluster: dict[str, Any], console: Any) -> None:
     """One line on what the verifying launch measured of this machine's collectives and strategies."""
     costs = "; ".join(
-        f"{name} {c['slot_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per stage FSDP group, per pipeline slot"
+        f"{name} {c['slot_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per stage FSDP group"
+        f" + {c['byte_s'] * 1e9:.2f} ms per MB of the stage's parameters, per pipeline slot"
         if name == "pp_dp"
         else f"{name} {c['fixed_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per FSDP group"
         f" + {c['tensor_s'] * 1e6:.0f} us per parameter tensor + {c['byte_s'] * 1e9:.2f} ms per MB of parameters"

@@ -86,7 +86,7 @@ def _lightning_module(model: nn.Module):
     return VerifyStep()
 
 
-def _probe(track_batch: int, live_from_start: Any = None):
+def _probe(track_batch: int, live_from_start: Any = None, between: Any = None):
     from lightning.pytorch import Callback
 
     from lit_parallel.parallel.live_memory import LiveMemory
@@ -111,24 +111,27 @@ def _probe(track_batch: int, live_from_start: Any = None):
                 self.peak = self.tracker.peak
             elif batch_idx > track_batch:
                 self.times.append(elapsed)
+                if between is not None:
+                    between()
 
     return Probe()
 
 
 def measure_step(
     model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = STEP_REPEATS,
-    module: Any = None, live_from_start: Any = None,
+    module: Any = None, live_from_start: Any = None, between: Any = None,
 ):  # fmt: skip
     """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the lower quartile
     of the ``repeats`` after it. Returns ``(peak, seconds)``. ``module``: the LightningModule to fit around
     ``model`` (default: forward, the planner's loss, AdamW). ``live_from_start(trainer, batch)``: tensors
-    made before the measured step that are live all of it (counted from its start)."""
+    made before the measured step that are live all of it (counted from its start). ``between()``: called
+    after each timed step, outside it (``advise --verify`` times the prediction's parts there)."""
     import logging
     import warnings
 
     import lightning as L
 
-    probe = _probe(track_batch=3, live_from_start=live_from_start)
+    probe = _probe(track_batch=3, live_from_start=live_from_start, between=between)
     for name in ("lightning.pytorch", "lightning.fabric", "lit_parallel"):  # every Trainer's tips and banners
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -223,18 +226,20 @@ def worker(args: argparse.Namespace) -> int:
     if not dist.is_initialized():  # the Trainers below use it as it is; the bandwidth measurement needs it
         dist.init_process_group("gloo")
     plain = [n for n in names if n != "pp_dp"]
-    # In rounds: what `advise` times in one process, timed here on every rank at once (ranks that share a
-    # machine's cores and memory compute more slowly than one process alone, and that is the compute they
-    # will have), then each strategy's step and right after it its calibration. This machine's speed
-    # drifts over seconds; every figure is the median over the rounds, so the prediction's parts and the
-    # measured steps sample the same stretch of time.
+    timer = worker_timer(args, kwargs)
+    # In rounds: Lightning's per-step overhead and the calibration shapes in one process, timed here on every
+    # rank at once (ranks that share a machine's cores and memory compute more slowly than one process
+    # alone, and that is the compute they will have), then each strategy's step and right after it its
+    # calibration. Between the strategy's steps every rank times the parts `advise` times in one process
+    # (``timer``): this machine's speed drifts by tens of percent within a second, and so the prediction's
+    # parts and the measured steps see it at the same moments. Every figure is the median over the rounds.
     rounds: list[dict[str, Any]] = []
     for _ in range(args.rounds):
-        rounds.append({"alone": measure_alone(args, kwargs)})
+        rounds.append({"alone": measure_alone(args)})
         for name in plain:
             if any("error" in r.get(name, {}) for r in rounds):
                 continue
-            rounds[-1][name] = _measure_strategy(factory, kwargs, args, name)
+            rounds[-1][name] = _measure_strategy(factory, kwargs, args, name, timer)
             if "error" not in rounds[-1][name]:
                 rounds[-1][f"calibration.{name}"] = calibrate(name, args.devices, args.calibration_repeats)
     results.update(_combine_rounds(rounds, plain))
@@ -246,38 +251,59 @@ def worker(args: argparse.Namespace) -> int:
     if dist.get_rank() == 0:
         write_result(args.result, results)
     if "pp_dp" in names:
-        _measure_pipeline(factory, kwargs, args, results)
+        _measure_pipeline(factory, kwargs, args, results, timer)
     return 0
 
 
-def _measure_strategy(factory: Any, kwargs: dict, args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """One strategy's measured step in this launch: every rank's peak and the step seconds, or the error."""
+def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
+    """The :class:`~lit_parallel.parallel.step_time.PartsTimer` of the unit `advise` timed
+    (``--timing-unit``: a block's name, empty for the whole model); ``None`` without one."""
+    if args.timing_unit is None:
+        return None
+    from lit_parallel.advise_report import meta_model, shaped_input
+    from lit_parallel.parallel.step_time import PartsTimer
+
+    _, module, _, _ = meta_model(args.model, kwargs)
+    shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
+    return PartsTimer(module, block_name=args.timing_unit or None, batch_size=args.batch_size,
+                      seq_len=args.seq_len, example_inputs=shaped_input(shape))  # fmt: skip
+
+
+def parts_timing(timer: Any) -> dict[str, Any] | None:
+    """What ``timer`` sampled between a run's steps, as a :class:`StepTime` dict (``None`` without a timer
+    or samples); the samples are dropped, so the next run starts afresh."""
+    from dataclasses import asdict
+
+    if timer is None or not timer.samples:
+        return None
+    return asdict(timer.timing())
+
+
+def _measure_strategy(
+    factory: Any, kwargs: dict, args: argparse.Namespace, name: str, timer: Any
+) -> dict[str, Any]:
+    """One strategy's measured step in this launch: every rank's peak, the step seconds and the parts
+    ``timer`` timed between the steps, or the error."""
     import torch.distributed as dist
 
     model, inputs = _model_and_inputs(factory, kwargs, args)
     try:
-        peak, step_s = measure_step(
-            model, inputs, strategy=strategy_object(name), devices=args.devices, repeats=args.repeats
-        )
+        peak, step_s = measure_step(model, inputs, strategy=strategy_object(name), devices=args.devices,
+                                    repeats=args.repeats, between=timer.sample if timer else None)  # fmt: skip
     except Exception as err:  # a strategy this model cannot run: reported, the others still measured
+        parts_timing(timer)  # what it sampled before failing belongs to no row
         return {"error": f"{type(err).__name__}: {err}"}
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_dict(peak))
-    return {"peaks": peaks, "step_s": step_s}
+    return {"peaks": peaks, "step_s": step_s, "timing": parts_timing(timer)}
 
 
 def _combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, Any]:
-    """The rounds' figures as one: medians of the seconds; the peaks of the first round (memory does not
-    drift)."""
-    from dataclasses import asdict
-
-    from lit_parallel.parallel.step_time import StepTime, median_timing
-
+    """The rounds' figures as one: medians of the seconds and of the parts' timings; the peaks of the first
+    round (memory does not drift)."""
     med = statistics.median
     alone = [r["alone"] for r in rounds]
-    timings = [StepTime(**a["timing"]) for a in alone if a["timing"]]
     out: dict[str, Any] = {"alone": {
-        "timing": asdict(median_timing(timings)) if timings else None,
         "overhead_s": med(a["overhead_s"] for a in alone),
         "one_process": {k: med(a["one_process"][k] for a in alone) for k in alone[0]["one_process"]},
     }, "calibration": {}}  # fmt: skip
@@ -286,10 +312,21 @@ def _combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str,
         if "error" in got[0]:
             out[name] = got[0]
             continue
-        out[name] = {"peaks": got[0]["peaks"], "step_s": med(g["step_s"] for g in got)}
+        out[name] = {"peaks": got[0]["peaks"], "step_s": med(g["step_s"] for g in got),
+                     "timing": median_timing_dict([g.get("timing") for g in got])}  # fmt: skip
         cal = [r[f"calibration.{name}"] for r in rounds if f"calibration.{name}" in r]
         out["calibration"][name] = {k: med(c[k] for c in cal) for k in cal[0]}
     return out
+
+
+def median_timing_dict(timings: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Several rounds' parts timings (:class:`StepTime` dicts) as one, the median of each rate."""
+    from dataclasses import asdict
+
+    from lit_parallel.parallel.step_time import StepTime, median_timing
+
+    got = [StepTime(**t) for t in timings if t]
+    return asdict(median_timing(got)) if got else None
 
 
 @contextlib.contextmanager
@@ -306,32 +343,18 @@ def as_one_process():
         os.environ.update(hidden)
 
 
-def measure_alone(args: argparse.Namespace, kwargs: dict) -> dict[str, Any]:
-    """On every rank at the same moment: the unit `advise` times (``--timing-unit``: a block's name, empty
-    for the whole model, absent for none), AdamW, Lightning's per-step overhead and the calibration shapes in one process
-    (no strategy, no collective). Returns rank 0's figures: ``timing`` (a
-    :class:`~lit_parallel.parallel.step_time.StepTime` as a dict), ``overhead_s`` and ``one_process``
+def measure_alone(args: argparse.Namespace) -> dict[str, Any]:
+    """On every rank at the same moment, in one process (no strategy, no collective): Lightning's per-step
+    overhead and the calibration shapes. Returns rank 0's figures: ``overhead_s`` and ``one_process``
     (seconds per calibration shape)."""
-    from dataclasses import asdict
-
     import torch.distributed as dist
 
-    from lit_parallel.advise_report import meta_model, shaped_input
-    from lit_parallel.parallel.step_time import predict_step_time
-
-    _, module, _, _ = meta_model(args.model, kwargs)
-    shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
-    dist.barrier()
-    timing = None
-    if args.timing_unit is not None:
-        timing = predict_step_time(module, block_name=args.timing_unit or None, batch_size=args.batch_size,
-                                   seq_len=args.seq_len, example_inputs=shaped_input(shape))  # fmt: skip
     with as_one_process():
         dist.barrier()
         overhead = lightning_overhead()
         dist.barrier()
         one_process = calibrate(None, 1, args.calibration_repeats)
-    return {"timing": asdict(timing) if timing else None, "overhead_s": overhead, "one_process": one_process}
+    return {"overhead_s": overhead, "one_process": one_process}
 
 
 def _model_and_inputs(factory: Any, kwargs: dict, args: argparse.Namespace) -> tuple[nn.Module, tuple]:
@@ -345,7 +368,9 @@ def _model_and_inputs(factory: Any, kwargs: dict, args: argparse.Namespace) -> t
     return model, real_inputs(ex.args, vocabulary(model))
 
 
-def _measure_pipeline(factory: Any, kwargs: dict, args: argparse.Namespace, results: dict[str, Any]) -> None:
+def _measure_pipeline(
+    factory: Any, kwargs: dict, args: argparse.Namespace, results: dict[str, Any], timer: Any
+) -> None:
     """pp_dp last (devices stages, data parallel 1): a rank that fails inside a pipeline step leaves the
     others waiting for its activations, so a failure ends this process at once (torchrun then stops the
     others) after writing why next to the result; what was measured before is already written."""
@@ -361,9 +386,12 @@ def _measure_pipeline(factory: Any, kwargs: dict, args: argparse.Namespace, resu
         got, cal = [], []
         for _ in range(args.rounds):  # in rounds, as the other strategies (see worker)
             model, inputs = _model_and_inputs(factory, kwargs, args)
-            got.append(pipeline_worker_entry(model, inputs, devices=args.devices, repeats=args.repeats))
+            got.append(
+                pipeline_worker_entry(model, inputs, devices=args.devices, repeats=args.repeats, timer=timer)
+            )
             cal.append(calibrate("pp_dp", args.devices, args.calibration_repeats))
-        results["pp_dp"] = {"peaks": got[0]["peaks"], "step_s": statistics.median(g["step_s"] for g in got)}
+        results["pp_dp"] = {"peaks": got[0]["peaks"], "step_s": statistics.median(g["step_s"] for g in got),
+                            "timing": median_timing_dict([g["timing"] for g in got])}  # fmt: skip
         results["calibration"]["pp_dp"] = {k: statistics.median(c[k] for c in cal) for k in cal[0]}
     except Exception as err:
         why = f"{type(err).__name__}: {err}"

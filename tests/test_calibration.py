@@ -138,7 +138,14 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
 
 
 def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_calibration_runs():
-    from lit_parallel.parallel.calibration import BATCH, calibration_slots, fit_pipeline_cost, stage_groups
+    from lit_parallel.parallel.calibration import (
+        BATCH,
+        calibration_slots,
+        fit_pipeline_cost,
+        pipeline_slot_s,
+        stage_bytes,
+        stage_groups,
+    )
 
     # 2 stages: a batch of 8 splits into 8 micro-batches (4 x stages), so 8 + 2 - 1 = 9 slots
     assert BATCH == 8 and calibration_slots(2) == 9
@@ -146,12 +153,35 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
     assert calibration_slots(4) == 11
     # on 2 stages, reference (2 blocks) has 1 block + the stage root per stage, thin (6 blocks) 3 + 1
     assert (stage_groups("reference", 2), stage_groups("thin", 2)) == (2, 4)
-    # a pipeline that costs 1 ms per slot + 0.5 ms per stage group per slot: reference pays 2 ms per slot,
-    # thin 3 ms, over 9 slots each
-    one = {"reference": 2e-3, "thin": 5e-3}
-    pipe = {"reference": 2e-3 + 9 * 2e-3, "thin": 5e-3 + 9 * 3e-3}
+    # the largest stage is the first: the input Linear(4, width) and half the blocks, fp32
+    assert (stage_bytes("reference", 2), stage_bytes("thin", 2)) == (
+        4 * (5 * 4 + 5 * 4),
+        4 * (5 * 4 + 3 * 5 * 4),
+    )
+    assert stage_bytes("heavy", 2) == 4 * (5 * 1024 + 1025 * 1024)
+    # ... as pp_dp's own planner cuts it (its largest stage's share of the parameters)
+    import torch
+
+    from lit_parallel.parallel.calibration import calibration_model, counts
+    from lit_parallel.parallel.peak import predict_peaks
+
+    for name in ("reference", "heavy"):
+        report = predict_peaks(calibration_model(name), precision="32-true", devices=2, nodes=1, batch_size=8,
+                               seq_len=None, block_names=["blocks.0", "blocks.1"], device_type="cpu",
+                               example_inputs=torch.empty(8, 4, device="meta"))  # fmt: skip
+        share = report.pipeline.stage_share
+        assert share * counts(name)[2] == pytest.approx(stage_bytes(name, 2)), name
+
+    # a pipeline that costs 1 ms per slot + 0.5 ms per stage group + 1 ns per byte of the stage, per slot:
+    # over 9 slots each
+    def per_slot(name: str) -> float:
+        return 1e-3 + 0.5e-3 * stage_groups(name, 2) + 1e-9 * stage_bytes(name, 2)
+
+    one = {"reference": 2e-3, "thin": 5e-3, "heavy": 9e-3}
+    pipe = {n: one[n] + 9 * per_slot(n) for n in one}
     cost = fit_pipeline_cost(one, pipe, stages=2)
-    assert (cost.slot_s, cost.group_s, cost.fixed_s) == pytest.approx((1e-3, 0.5e-3, 0.0))
+    assert (cost.slot_s, cost.group_s, cost.byte_s, cost.fixed_s) == pytest.approx((1e-3, 0.5e-3, 1e-9, 0.0))
+    assert pipeline_slot_s(cost, 5, 1e6) == pytest.approx(1e-3 + 5 * 0.5e-3 + 1e-3)
 
 
 def test_an_uneven_pipeline_waits_for_its_slowest_stage():
@@ -193,17 +223,58 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
                                optimizer_tensor_s=1e-5, optimizer_element_s=1e-9, tensors=4, elements=10,
                                block_description="the whole model"))  # fmt: skip
 
-    # three rounds; the machine was slow in the second: every figure is the median, the peaks are round 1's
+    # three rounds; the machine was slow in the second: every figure is the median (the parts timed between
+    # a strategy's steps included), the peaks are round 1's
     rounds = [
-        {"alone": {"timing": timing(s), "overhead_s": o, "one_process": {"reference": r}},
-         "ddp_tuned": {"peaks": [p], "step_s": step}, "calibration.ddp_tuned": {"reference": c},
+        {"alone": {"overhead_s": o, "one_process": {"reference": r}},
+         "ddp_tuned": {"peaks": [p], "step_s": step, "timing": timing(s)}, "calibration.ddp_tuned": {"reference": c},
          "zero2": {"error": "RuntimeError: no"}}
         for s, o, r, p, step, c in [(1e-3, 5e-4, 2e-3, 100, 4e-3, 3e-3), (9e-3, 9e-4, 8e-3, 101, 9e-3, 9e-3),
                                     (2e-3, 6e-4, 3e-3, 102, 5e-3, 4e-3)]
     ]  # fmt: skip
     out = _combine_rounds(rounds, ["ddp_tuned", "zero2"])
-    assert out["alone"]["timing"]["block_s"] == 2e-3 and out["alone"]["timing"]["op_s"] == 2e-5
-    assert out["alone"]["overhead_s"] == 6e-4 and out["alone"]["one_process"] == {"reference": 3e-3}
-    assert out["ddp_tuned"] == {"peaks": [100], "step_s": 5e-3}
+    assert out["alone"] == {"overhead_s": 6e-4, "one_process": {"reference": 3e-3}}
+    ddp = out["ddp_tuned"]
+    assert ddp["peaks"] == [100] and ddp["step_s"] == 5e-3
+    assert ddp["timing"]["block_s"] == 2e-3 and ddp["timing"]["op_s"] == 2e-5
     assert out["calibration"] == {"ddp_tuned": {"reference": 4e-3}}  # zero2 failed: no calibration
     assert out["zero2"] == {"error": "RuntimeError: no"}
+
+
+def test_the_parts_timed_between_steps_give_the_rates_worked_out_by_hand():
+    from lit_parallel.advise_report import shaped_input
+    from lit_parallel.parallel.model_summary import build_on_meta
+    from lit_parallel.parallel.step_time import PartsTimer
+    from tests.conformance_models import FEATURES, mlp
+
+    timer = PartsTimer(
+        build_on_meta(mlp, {}), block_name=None, batch_size=4, example_inputs=shaped_input((FEATURES,))
+    )
+    # the whole model at the micro-batch and at twice it: the same ops, twice the FLOPs (Linears only)
+    (ops1, flops1), (ops2, flops2) = timer.counts
+    assert ops1 == ops2 and flops2 == 2 * flops1 > 0
+    timer.sample()
+    assert len(timer.samples) == 1 and len(timer.samples[0]) == 4 and min(timer.samples[0]) > 0
+    # made-up counts and samples (forward + backward at B and 2B, AdamW on the unit, AdamW on 64 tiny
+    # tensors); the lower quartile of 8 samples is the third smallest
+    timer.counts, timer.unit_tensors, timer.unit_elements = [(100, 1000), (100, 2000)], 4, 1000
+    lq = [3e-3, 5e-3, 1.4e-3, 64e-5]
+    timer.samples = [[v * f for v in lq] for f in (1.5, 1.0, 0.5, 2.0, 0.9, 3.0, 1.2, 1.1)]  # third: 1.0
+    got = timer.timing()
+    assert got.block_s == pytest.approx(3e-3)
+    assert got.flop_s == pytest.approx((5e-3 - 3e-3) / (2000 - 1000))  # 2 us per FLOP
+    assert got.op_s == pytest.approx((3e-3 - 2e-6 * 1000) / 100)  # what the FLOPs leave of B's time
+    assert got.optimizer_tensor_s == pytest.approx(64e-5 / 64)
+    assert got.optimizer_element_s == pytest.approx((1.4e-3 - 4 * 1e-5) / 1000)
+    assert got.tensors == len(list(mlp().parameters())) and timer.samples == []  # forgotten once read
+
+
+def test_measure_step_calls_between_after_each_timed_step_only():
+    import torch
+
+    from lit_parallel.advise_verify import measure_step
+
+    calls = []
+    peak, seconds = measure_step(torch.nn.Linear(2, 2), (torch.zeros(4, 2),), repeats=3,
+                                 between=lambda: calls.append(1))  # fmt: skip
+    assert len(calls) == 3 and seconds > 0 and peak.total > 0

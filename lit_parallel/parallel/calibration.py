@@ -21,9 +21,9 @@ byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` gro
 tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
 240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step: every collective, copy and hook the strategy runs,
 bytes included. DDP has no groups: its per-group cost is 0. ``pp_dp`` runs the ``reference`` and
-``thin`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a
-cost per slot and per FSDP group of a stage per slot (:func:`fit_pipeline_cost`); its stage boundary
-transfers are priced by the measured bus bandwidth.
+``thin`` and ``heavy`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages
+- 1), is a cost per slot, per FSDP group of the largest stage and per byte of its parameters, per slot
+(:func:`fit_pipeline_cost`); its stage boundary transfers are priced by the measured bus bandwidth.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def fit_costs(
     return out
 
 
-PIPELINE_SHAPES = ("reference", "thin")  # pp_dp's calibration: 1 and 3 blocks per stage on 2 stages
+# pp_dp's calibration on 2 stages: 1 and 3 blocks per stage, and the reference's stages at width 1024
+PIPELINE_SHAPES = ("reference", "thin", "heavy")
 
 
 def calibration_slots(stages: int) -> int:
@@ -164,19 +165,37 @@ def stage_groups(name: str, stages: int) -> int:
     return -(-SHAPES[name][0] // stages) + 1
 
 
+def stage_bytes(name: str, stages: int) -> int:
+    """fp32 parameter bytes of a calibration shape's largest pp_dp stage: the first, the input layer and
+    its share of the blocks."""
+    blocks, layers, width = SHAPES[name]
+    return 4 * ((FEATURES + 1) * width + -(-blocks // stages) * layers * (width + 1) * width)
+
+
 def fit_pipeline_cost(
     one_process_s: dict[str, float], pipeline_s: dict[str, float], stages: int
 ) -> StrategyCost:
-    """``pp_dp``'s cost per pipeline slot (micro-batches + stages - 1): what it added to the ``reference``
-    and ``thin`` shapes (:data:`PIPELINE_SHAPES`), spread over the slots of their run, is ``slot_s +
-    group_s x G`` with ``G`` the FSDP groups of the largest stage (every slot runs each group's hooks)."""
-    groups, tensors, nbytes = counts("reference")
+    """``pp_dp``'s cost per pipeline slot (micro-batches + stages - 1): what it added to each of
+    :data:`PIPELINE_SHAPES`, spread over the slots of their run, is ``slot_s + group_s x G + byte_s x B``
+    with ``G`` the FSDP groups and ``B`` the parameter bytes of the largest stage (every slot runs each
+    group's hooks, and FSDP2 copies the stage's parameters into and out of its gather buffers for every
+    micro-batch's forward and backward, though one data-parallel rank has nothing to gather)."""
+    groups, tensors, _ = counts("reference")
     slots = calibration_slots(stages)
     per_slot = {n: max(0.0, pipeline_s[n] - one_process_s[n]) / slots for n in PIPELINE_SHAPES}
-    g_ref, g_thin = (stage_groups(n, stages) for n in PIPELINE_SHAPES)
-    per_group = max(0.0, (per_slot["thin"] - per_slot["reference"]) / (g_thin - g_ref))
-    return StrategyCost(0.0, per_group, 0.0, groups, tensors, slot_s=max(0.0, per_slot["reference"] - per_group * g_ref),
-                        reference_bytes=nbytes)  # fmt: skip
+    g = {n: stage_groups(n, stages) for n in PIPELINE_SHAPES}
+    b = {n: stage_bytes(n, stages) for n in PIPELINE_SHAPES}
+    per_byte = max(0.0, (per_slot["heavy"] - per_slot["reference"]) / (b["heavy"] - b["reference"]))
+    thin = per_slot["thin"] - per_byte * (b["thin"] - b["reference"])
+    per_group = max(0.0, (thin - per_slot["reference"]) / (g["thin"] - g["reference"]))
+    slot = max(0.0, per_slot["reference"] - per_group * g["reference"] - per_byte * b["reference"])
+    return StrategyCost(0.0, per_group, 0.0, groups, tensors, slot_s=slot, byte_s=per_byte)
+
+
+def pipeline_slot_s(cost: StrategyCost, groups: int, stage_param_bytes: float) -> float:
+    """What ``pp_dp`` adds per slot to a model whose largest stage has ``groups`` FSDP groups and
+    ``stage_param_bytes`` bytes of parameters (:func:`fit_pipeline_cost`)."""
+    return cost.slot_s + cost.group_s * groups + cost.byte_s * stage_param_bytes
 
 
 def load_cluster(path: str) -> dict[str, Any]:
@@ -214,4 +233,5 @@ def for_ranks(costs: dict[str, StrategyCost], measured: int, ranks: int) -> dict
     if measured == ranks or measured < 2 or ranks < 2:
         return costs
     ratio = ((ranks - 1) / ranks) / ((measured - 1) / measured)
-    return {name: replace(c, byte_s=c.byte_s * ratio) for name, c in costs.items()}
+    # pp_dp's per-byte cost is each stage's own copies (fit_pipeline_cost), not ring traffic: kept
+    return {name: c if name == "pp_dp" else replace(c, byte_s=c.byte_s * ratio) for name, c in costs.items()}

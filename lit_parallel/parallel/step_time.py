@@ -152,16 +152,6 @@ def typical_seconds(samples: list[float]) -> float:
     return ordered[len(ordered) // 4]
 
 
-def _typical_seconds(fn: Any, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return typical_seconds(times)
-
-
 def _block_inputs(module: nn.Module, block_name: str | None, dtype: torch.dtype, batch: int | None, kw: dict):
     """The meta model, the block (or the model), its meta arguments and the whole step's (ops, FLOPs)."""
     if callable(kw.get("given")):  # a function of the batch size (``advise --input-shape``)
@@ -176,75 +166,126 @@ def _block_inputs(module: nn.Module, block_name: str | None, dtype: torch.dtype,
     return meta, block, block_args, block_kwargs, total, example
 
 
-def _time_unit(unit: nn.Module, args: tuple, kwargs: dict, whole: bool, dtype: torch.dtype, repeats: int):
-    """(seconds, ops, FLOPs) of forward + backward of the real ``unit`` on inputs shaped like ``args``."""
-    real = _materialise(unit, dtype)
+def _real_call(
+    args: tuple, kwargs: dict, whole: bool, vocab: int | None, dtype: torch.dtype
+) -> tuple[tuple, dict]:
+    """Real CPU arguments shaped like the meta ``args`` / ``kwargs`` of the unit timed. The model's own
+    inputs (``whole``) get token ids drawn below the vocabulary, as a real batch has them (all zeros is a
+    slower step: every gradient of the embedding lands on one row, every target is class 0)."""
     real_args = tuple(_real(a, dtype) for a in args)
-    if whole:  # the model's own inputs: token ids drawn below the vocabulary, as a real batch has them (all
-        # zeros is a slower step: every gradient of the embedding lands on one row, every target is class 0)
-        from lit_parallel.advise_verify import real_inputs, vocabulary
+    if whole:
+        from lit_parallel.advise_verify import real_inputs
 
-        ids = real_inputs(args, vocabulary(unit))
+        ids = real_inputs(args, vocab)
         is_ids = [
             isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dtype != torch.bool for a in args
         ]
         real_args = tuple(i if yes else r for i, r, yes in zip(ids, real_args, is_ids, strict=True))
-    real_kwargs = {k: _real(v, dtype) for k, v in kwargs.items()}
-
-    def fwd_bwd(m: nn.Module, a: tuple, k: dict) -> None:
-        out = m(*a, **k)
-        (default_loss(out, a) if whole else logits_of(out).float().sum()).backward()
-
-    ops, flops = _count(lambda: fwd_bwd(unit, args, kwargs))
-    return _typical_seconds(lambda: fwd_bwd(real, real_args, real_kwargs), repeats), ops, flops, real
+    return real_args, {k: _real(v, dtype) for k, v in kwargs.items()}
 
 
-def _adamw_rates(params: list[torch.Tensor], repeats: int) -> tuple[float, float]:
-    """(seconds per tensor, seconds per element) of AdamW's step on this machine."""
-    tiny = [torch.zeros(1, requires_grad=True) for _ in range(64)]
-    for t in (*tiny, *params):
-        t.grad = torch.zeros_like(t)
-    per_tensor = _typical_seconds(torch.optim.AdamW(tiny, lr=1e-6).step, repeats) / len(tiny)
-    if not params:
-        return per_tensor, 0.0
-    whole = _typical_seconds(torch.optim.AdamW(params, lr=1e-6).step, repeats)
-    elements = sum(p.numel() for p in params)
-    return per_tensor, max(0.0, whole - per_tensor * len(params)) / elements
+def _fwd_bwd(m: nn.Module, a: tuple, k: dict, whole: bool) -> None:
+    out = m(*a, **k)
+    (default_loss(out, a) if whole else logits_of(out).float().sum()).backward()
 
 
-def predict_step_time(
-    module: nn.Module,
-    *,
-    block_name: str | None,
-    dtype: torch.dtype = torch.float32,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    example_inputs: Any = None,
-    repeats: int = 15,
-) -> StepTime:
+class PartsTimer:
+    """The parts of a step `advise` times, ready to be timed again and again: the unit's forward + backward
+    (the largest block, ``block_name``; the whole model without one) at the micro-batch and at twice it,
+    AdamW on the unit's parameters and on 64 tiny tensors. The unit is materialised once (random weights)
+    and its inputs made once.
+
+    :meth:`sample` times every part once and keeps the seconds; :meth:`timing` turns the samples kept into
+    a :class:`StepTime` (the lower quartile of each part). ``advise --verify`` samples between the steps it
+    measures, so prediction and measurement see this machine at the same moments."""
+
+    def __init__(
+        self, module: nn.Module, *, block_name: str | None, dtype: torch.dtype = torch.float32,
+        batch_size: int | None = None, seq_len: int | None = None, example_inputs: Any = None,
+    ) -> None:  # fmt: skip
+        from lit_parallel.advise_verify import vocabulary
+
+        kw = {"seq_len": seq_len, "given": example_inputs}
+        _, unit, args, kwargs, (self.ops, self.flops), example = _block_inputs(
+            module, block_name, dtype, batch_size, kw
+        )
+        self.whole, self.block_name = block_name is None, block_name
+        self.description = f"{block_name} ({type(unit).__name__})" if block_name else "the whole model"
+        vocab = vocabulary(unit) if self.whole else None
+        calls = [(unit, args, kwargs)]
+        if example_inputs is None or callable(example_inputs):  # twice the micro-batch: separates the
+            # per-op cost from the per-FLOP cost
+            _, unit2, args2, kwargs2, _, _ = _block_inputs(
+                module, block_name, dtype, 2 * example.batch_size, kw
+            )
+            calls.append((unit2, args2, kwargs2))
+        # (ops, FLOPs) of each call, counted on the meta unit; the real one is timed
+        self.counts = [_count(lambda u=u, a=a, k=k: _fwd_bwd(u, a, k, self.whole)) for u, a, k in calls]
+        self.real = _materialise(unit, dtype)
+        self.inputs = [_real_call(a, k, self.whole, vocab, dtype) for _, a, k in calls]
+        params = [p for p in self.real.parameters() if p.requires_grad]
+        self.unit_tensors, self.unit_elements = len(params), sum(p.numel() for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=1e-6) if params else None
+        tiny = [torch.zeros(1, requires_grad=True) for _ in range(64)]
+        for t in tiny:
+            t.grad = torch.zeros_like(t)
+        self.tiny_optimizer = torch.optim.AdamW(tiny, lr=1e-6)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.tensors, self.elements = len(trainable), sum(p.numel() for p in trainable)
+        self.samples: list[list[float]] = []
+        self._time_once()  # warm-up
+
+    def _time_once(self) -> list[float]:
+        """Seconds of each part, once: forward + backward per input, AdamW on the unit, AdamW on 64 tiny
+        tensors (the unit's gradients are dropped after its step, as a training step drops them)."""
+        seconds = []
+        for args, kwargs in self.inputs:
+            start = time.perf_counter()
+            _fwd_bwd(self.real, args, kwargs, self.whole)
+            seconds.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        seconds.append(time.perf_counter() - start)
+        self.real.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        self.tiny_optimizer.step()
+        seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def sample(self) -> None:
+        """Time every part once and keep the seconds."""
+        self.samples.append(self._time_once())
+
+    def timing(self) -> StepTime:
+        """The samples kept as one :class:`StepTime` (the lower quartile of each part), and forget them."""
+        parts = [typical_seconds(list(column)) for column in zip(*self.samples, strict=True)]
+        self.samples = []
+        *fwd_bwd, whole_adamw, tiny_adamw = parts
+        (ops1, flops1), t1 = self.counts[0], fwd_bwd[0]
+        op_s, flop_s = t1 / max(1, ops1), 0.0
+        if len(fwd_bwd) > 1:
+            (_, flops2), t2 = self.counts[1], fwd_bwd[1]
+            if flops2 > flops1 and t2 > t1:
+                flop_s = (t2 - t1) / (flops2 - flops1)
+                op_s = max(0.0, t1 - flop_s * flops1) / max(1, ops1)
+        tensor_s = tiny_adamw / 64
+        element_s = max(0.0, whole_adamw - tensor_s * self.unit_tensors) / max(1, self.unit_elements)
+        return StepTime(
+            block_s=t1, op_s=op_s, flop_s=flop_s, ops=self.ops, flops=self.flops, optimizer_tensor_s=tensor_s,
+            optimizer_element_s=element_s, tensors=self.tensors, elements=self.elements,
+            block_description=self.description, block_name=self.block_name,
+        )  # fmt: skip
+
+
+def predict_step_time(module: nn.Module, *, block_name: str | None, repeats: int = 15, **kw: Any) -> StepTime:
     """Time the largest block (``block_name``; the whole model without blocks) at the micro-batch and at
-    twice it, and AdamW on its parameters; scale to the whole model by ops and FLOPs."""
-    kw = {"seq_len": seq_len, "given": example_inputs}
-    meta, unit, args, kwargs, (ops, flops), example = _block_inputs(module, block_name, dtype, batch_size, kw)
-    whole = block_name is None
-    t1, ops1, flops1, real = _time_unit(unit, args, kwargs, whole, dtype, repeats)
-    op_s, flop_s = t1 / max(1, ops1), 0.0
-    if example_inputs is None or callable(
-        example_inputs
-    ):  # twice the micro-batch: separates the per-op cost from the per-FLOP cost
-        _, unit2, args2, kwargs2, _, _ = _block_inputs(module, block_name, dtype, 2 * example.batch_size, kw)
-        t2, ops2, flops2, _ = _time_unit(unit2, args2, kwargs2, whole, dtype, repeats)
-        if flops2 > flops1 and t2 > t1:
-            flop_s = (t2 - t1) / (flops2 - flops1)
-            op_s = max(0.0, t1 - flop_s * flops1) / max(1, ops1)
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    tensor_s, element_s = _adamw_rates([p for p in real.parameters() if p.requires_grad], repeats)
-    description = f"{block_name} ({type(unit).__name__})" if block_name else "the whole model"
-    return StepTime(
-        block_s=t1, op_s=op_s, flop_s=flop_s, ops=ops, flops=flops, optimizer_tensor_s=tensor_s,
-        optimizer_element_s=element_s, tensors=len(trainable), elements=sum(p.numel() for p in trainable),
-        block_description=description, block_name=block_name,
-    )  # fmt: skip
+    twice it, and AdamW on its parameters, ``repeats`` times (:class:`PartsTimer`); scale to the whole model
+    by ops and FLOPs. ``kw``: ``dtype``, ``batch_size``, ``seq_len``, ``example_inputs``."""
+    timer = PartsTimer(module, block_name=block_name, **kw)
+    for _ in range(repeats):
+        timer.sample()
+    return timer.timing()
 
 
 def collectives_per_step(strategy: str, *, groups: int, grad_bytes: float, bucket_bytes: float = 25e6) -> int:
