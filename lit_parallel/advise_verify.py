@@ -25,7 +25,7 @@ from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
 from lit_parallel.parallel.step_time import typical_seconds
 
 LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "pp_dp")
-CALIBRATION_REPEATS = 9
+CALIBRATION_REPEATS = 24  # calibration steps: the costs are differences of them, noisier than either
 STEP_REPEATS = 12  # measured steps after the warm-up (their lower quartile is the step time)
 ROUNDS = 3  # the launch measures everything this many times, interleaved; figures are medians over them
 # what a launcher tells a rank: hidden while a rank runs a one-process Trainer (Lightning would join the launch)

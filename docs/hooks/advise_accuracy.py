@@ -61,32 +61,44 @@ NOTES = """
 - **Step time** is predicted as the one-process step plus what the strategy adds. The one-process step
   is the whole model's forward + backward timed here (the largest block scaled by its ops and FLOPs when
   the model would take more than 5 % of RAM), AdamW timed on the parameters (elements divided where
-  sharded) and Lightning's per-step overhead (a one-weight model's step). For the launch's rows these
-  parts are timed again inside the launch, on every rank at once: two ranks sharing two cores and their
-  memory compute 5-25 % more slowly than one process alone (measured here), and that is the speed they
-  train at. What a strategy adds is measured by the same launch on five tiny calibration models
-  (`lit_parallel/parallel/calibration.py`): a fixed cost, a cost per FSDP group, per parameter tensor and
-  per parameter byte, and DDP's broadcast of buffers for models that have them. `pp_dp` is priced stage
-  by stage: each stage's own share of the ops and FLOPs (counted on the meta device), the slowest stage
-  busy for every micro-batch and the others once (the bubble), and a measured cost per slot and per FSDP
-  group of a stage per slot (`lit_parallel/parallel/pipeline_time.py`). On CPU ranks the per-call costs,
-  not the bytes, decide small models' steps: a tiny all-reduce costs 0.1-0.3 ms here, an FSDP group
-  2-7 ms. `advise --cluster FILE` reuses a launch's costs for any other model.
-- **Noise, and how the measurement deals with it.** This 2-core machine's speed drifts by 20-40 % over
-  seconds (the same forward + backward of the same model, timed twice in one process a few seconds apart:
-  3.5 ms, then 5.0 ms), and one rank's step of 20 ms under FSDP2 ranges from 20 to 65 ms within one run
-  (the operating system schedules two ranks and their gloo threads on two cores). So every timing, on both
-  sides, is the lower quartile of its repeats (noise only adds time; the median moves with it), and the
-  launch measures in 3 rounds, each timing the prediction's parts right before the measured steps, every
-  figure the median over the rounds: prediction and measurement sample the same stretch of time.
-- **Where the step time misses.** This run: 51 of 61 rows within 25 % (median error 13.1 %; the page
-  before this rework had 36 of 61, median 19.2 %). The ten misses are 28-37 %, eight of them on steps of
-  2-10 ms: `ddp_tuned` on the small transformer models (`gpt2`, `llama`, `t5`, `TorchDecoderLM`, all
-  under-predicted by 2-4 ms), the one-process step of `gpt2` and `ResidualSequentialNet`, `mlp`'s
-  `ddp_tuned`; and two recipe rows, GPT's ZeRO-2 and Llama's `pp_dp`. Which rows miss changes from run to
-  run: a partial run of the same code half an hour earlier had `gpt2`'s `ddp_tuned` at 5 % and Llama's
-  `pp_dp` at 24 %, one without the rounds had GPT's ZeRO-2 at 16 %. At a few milliseconds a step, one
-  scheduler delay of a gloo thread is 25 %.
+  sharded) and Lightning's per-step overhead (a one-weight model's step). What a strategy adds is measured
+  by the launch on five tiny calibration models (`lit_parallel/parallel/calibration.py`): a fixed cost, a
+  cost per FSDP group, per parameter tensor and per parameter byte, and DDP's broadcast of buffers for
+  models that have them. `pp_dp` is priced stage by stage: each stage's own share of the ops and FLOPs
+  (counted on the meta device), the slowest stage busy for every micro-batch and the others once (the
+  bubble), and a measured cost per slot, per FSDP group and per parameter byte of the largest stage, per
+  slot (FSDP2 copies a stage's parameters into and out of its gather buffers for every micro-batch;
+  `lit_parallel/parallel/pipeline_time.py`). On CPU ranks the per-call costs, not the bytes, decide small
+  models' steps: a tiny all-reduce costs 0.1-0.3 ms here, an FSDP group 2-7 ms. `advise --cluster FILE`
+  reuses a launch's costs for any other model.
+- **Noise, and how the measurement deals with it.** This 2-core machine does not keep one speed. The same
+  plain training step of `gpt2` (forward, backward, AdamW), timed in 12 windows of 12 steps a second
+  apart, had a fastest step of 3.7 ms in one window and 6.6 ms in another; a matrix product that stays in
+  cache does not vary (its fastest repeat was 434 us in every half second of 30 s). What varies is work
+  that goes to memory, which the machine's neighbours slow down. A part timed a few seconds away from the
+  step it predicts measures another machine. So `--verify` times the prediction's parts (the unit's
+  forward + backward at the micro-batch and at twice it, AdamW) between the measured steps, one sample
+  after each (`lit_parallel.parallel.step_time.PartsTimer`), in the launch on every rank at once under
+  the strategy being measured. In one `gpt2` run the ratio of each measured step to the parts timed next
+  to it had quartiles 0.92 / 0.98 / 1.04 while the steps themselves drifted from 4.6 to 7.5 ms. Every
+  timing, on both sides, is the lower quartile of its samples; the launch measures in 3 rounds and
+  reports the median. Lightning's overhead and the calibration models are timed in runs of their own, and
+  their noise is what is left: a strategy's cost is a difference of two steps (its calibration shape in
+  one process and under the strategy), each of which moves by 1-2 ms between runs under FSDP2.
+- **Where the step time misses.** This run: 58 of 61 rows within 25 % (median error 10.4 %); one
+  process, `ddp_tuned` and `fsdp_blocks` 14 of 14 each. Two runs of the same code earlier the same day
+  had 57 and 56 of 61, and before the parts were timed between the measured steps a run had 51 of 61
+  (median 13.1 %), the one before 36 of 61. The three misses:
+  - ZeRO-2 on the small Hugging Face models `bert` (34.5 %) and `llama` (32.6 %), both predicted short.
+    Which ZeRO-2 rows miss changes from run to run (`vit`, `TorchDecoderLM` and `ConvNet` in the others),
+    but on the Hugging Face models ZeRO-2 and `fsdp_blocks` are predicted short more often than not: what
+    FSDP2 adds is priced per parameter tensor from tiny square Linears, and these models' tensors (odd
+    vocabulary rows that FSDP2 pads, biases and norms of many shapes) may cost it more per tensor. Not
+    shown yet.
+  - `pp_dp` on the recipes' Llama (26.9 %; GPT 22.2 %), predicted short in every run. Timing torch's
+    pipeline stage on GPT: a micro-batch's forward and backward on one stage take 14.6 ms; its share of
+    the model's compute is 8.6 ms, and FSDP2's hooks (about 1.4 ms a micro-batch) and the measured
+    per-slot cost do not make up the rest. Where the remaining 4-5 ms a micro-batch go is not found.
 - **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
   `ResidualSequentialNet`: the pipeline's own buffers are counted once (the batch on every rank, torch's
   receive buffers for the activation, the inputs passed along and the gradient, the last stage's outputs,
@@ -138,7 +150,8 @@ def main() -> int:
         "--precision 32-true --verify`, then measured on this machine: one process, and one launch of 2 CPU",
         "ranks (gloo) running `ddp_tuned`, ZeRO-2 (`fsdp_blocks` with `reshard_after_forward=False`),",
         "`fsdp_blocks` and `pp_dp` (2 stages). Memory is the per-rank peak of one training step (AdamW; the",
-        "largest rank); step time is the lower quartile of 12 steps after 4 warm-up steps, the median of 3 rounds.",
+        "largest rank); step time is the lower quartile of 12 steps after 4 warm-up steps, the median of 3 rounds,",
+        "and the prediction's parts are timed between those steps (see Noise, below).",
         "",
         f"Targets: peak within 10 %, step time within 25 %. Machine load average during the run: {load:.1f}"
         f" on {os.cpu_count()} cores; {time.time() - started:.0f} s in all.",
