@@ -91,10 +91,11 @@ NOTES = """
   (median 13.1 %), the one before 36 of 61. The three misses:
   - ZeRO-2 on the small Hugging Face models `bert` (34.5 %) and `llama` (32.6 %), both predicted short.
     Which ZeRO-2 rows miss changes from run to run (`vit`, `TorchDecoderLM` and `ConvNet` in the others),
-    but on the Hugging Face models ZeRO-2 and `fsdp_blocks` are predicted short more often than not: what
-    FSDP2 adds is priced per parameter tensor from tiny square Linears, and these models' tensors (odd
-    vocabulary rows that FSDP2 pads, biases and norms of many shapes) may cost it more per tensor. Not
-    shown yet.
+    but on the Hugging Face models ZeRO-2 is predicted short in most runs, by 4-10 ms. The cause is not
+    found. It is not the number of parameter tensors (`llama` has 21, `bert` 42, `gpt2` 28 and misses by
+    less) nor FSDP2's padding (no tensor of these models has an odd first dimension); the two that miss
+    most have buffers (`bert`'s position ids, `llama`'s rotary frequencies), though FSDP2 syncs none in a
+    step.
   - `pp_dp` on the recipes' Llama (26.9 %; GPT 22.2 %), predicted short in every run. Timing torch's
     pipeline stage on GPT: a micro-batch's forward and backward on one stage take 14.6 ms; its share of
     the model's compute is 8.6 ms, and FSDP2's hooks (about 1.4 ms a micro-batch) and the measured
