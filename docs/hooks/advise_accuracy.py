@@ -90,12 +90,12 @@ NOTES = """
   had 57 and 56 of 61, and before the parts were timed between the measured steps a run had 51 of 61
   (median 13.1 %), the one before 36 of 61. The three misses:
   - ZeRO-2 on the small Hugging Face models `bert` (34.5 %) and `llama` (32.6 %), both predicted short.
-    Which ZeRO-2 rows miss changes from run to run (`vit`, `TorchDecoderLM` and `ConvNet` in the others),
-    but on the Hugging Face models ZeRO-2 is predicted short in most runs, by 4-10 ms. The cause is not
-    found. It is not the number of parameter tensors (`llama` has 21, `bert` 42, `gpt2` 28 and misses by
-    less) nor FSDP2's padding (no tensor of these models has an odd first dimension); the two that miss
-    most have buffers (`bert`'s position ids, `llama`'s rotary frequencies), though FSDP2 syncs none in a
-    step.
+    These move from run to run. Running `advise --verify` on the two models right after this page, `bert`'s
+    ZeRO-2 was 0.1 % off and `llama`'s 4.5 %, while `llama`'s `fsdp_blocks` missed (27.7 %). ZeRO-2 and
+    `fsdp_blocks` rows also missed in the other runs (`vit`, `TorchDecoderLM`, `ConvNet`). What varies is
+    the strategy's measured cost: fitted on the same calibration models, ZeRO-2 cost 17.3 ms fixed and
+    261 us per tensor in `bert`'s launch, then 16.0 ms and 163 us in `llama`'s a minute later. On these
+    15-40 ms steps, most of the step is that cost.
   - `pp_dp` on the recipes' Llama (26.9 %; GPT 22.2 %), predicted short in every run. Timing torch's
     pipeline stage on GPT: a micro-batch's forward and backward on one stage take 14.6 ms; its share of
     the model's compute is 8.6 ms, and FSDP2's hooks (about 1.4 ms a micro-batch) and the measured
