@@ -338,7 +338,7 @@ def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer:
     for _ in range(ROUNDS if timer is not None else 1):
         overheads.append(lightning_overhead())
         got, step_s = measure_step(model, inputs, between=timer.sample if timer else None)
-        peak = peak or got
+        peak = got if peak is None else peak
         steps.append(step_s)
         timings.append(parts_timing(timer))
     if timer is not None:

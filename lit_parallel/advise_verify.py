@@ -255,6 +255,11 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input_shape(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--input-shape 1,8,8`` as a tuple; ``None`` without it."""
+    return tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
+
+
 def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
     """The :class:`~lit_parallel.parallel.step_time.PartsTimer` of the unit `advise` timed
     (``--timing-unit``: a block's name, empty for the whole model); ``None`` without one."""
@@ -264,7 +269,7 @@ def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
     from lit_parallel.parallel.step_time import PartsTimer
 
     _, module, _, _ = meta_model(args.model, kwargs)
-    shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
+    shape = _input_shape(args)
     return PartsTimer(module, block_name=args.timing_unit or None, batch_size=args.batch_size,
                       seq_len=args.seq_len, example_inputs=shaped_input(shape))  # fmt: skip
 
@@ -362,7 +367,7 @@ def _model_and_inputs(factory: Any, kwargs: dict, args: argparse.Namespace) -> t
 
     torch.manual_seed(0)
     model = factory(**kwargs)
-    shape = tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
+    shape = _input_shape(args)
     given = torch.empty((args.batch_size or 1, *shape), device="meta") if shape else None
     ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len, given=given)
     return model, real_inputs(ex.args, vocabulary(model))

@@ -219,8 +219,12 @@ class PartsTimer:
                 module, block_name, dtype, 2 * example.batch_size, kw
             )
             calls.append((unit2, args2, kwargs2))
-        # (ops, FLOPs) of each call, counted on the meta unit; the real one is timed
-        self.counts = [_count(lambda u=u, a=a, k=k: _fwd_bwd(u, a, k, self.whole)) for u, a, k in calls]
+        # (ops, FLOPs) of each call, counted on the meta unit; the real one is timed. The whole model's
+        # first call is the step _block_inputs counted already.
+        count = lambda u, a, k: _count(lambda: _fwd_bwd(u, a, k, self.whole))  # noqa: E731
+        self.counts = [
+            (self.ops, self.flops) if self.whole and i == 0 else count(*c) for i, c in enumerate(calls)
+        ]
         self.real = _materialise(unit, dtype)
         self.inputs = [_real_call(a, k, self.whole, vocab, dtype) for _, a, k in calls]
         params = [p for p in self.real.parameters() if p.requires_grad]
