@@ -250,6 +250,8 @@ def worker(args: argparse.Namespace) -> int:
     results["busbw_gbps"] = bus_bandwidth(n * 4, max(1e-9, seconds - tiny), dist.get_world_size())[1]
     if dist.get_rank() == 0:
         write_result(args.result, results)
+    # pp_dp can end the launch (see _measure_pipeline): no rank starts it before rank 0's results are written
+    dist.barrier()
     if "pp_dp" in names:
         _measure_pipeline(factory, kwargs, args, results, timer)
     return 0
