@@ -96,9 +96,8 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     (:mod:`~lit_parallel.parallel.pipeline_time`), the schedule over them (the slowest stage busy, the others
     once: the bubble), the largest stage's AdamW step, the stage boundary transfers (and FSDP2's
     collectives over the stage's data-parallel ranks) at the measured latency and bandwidth, the measured
-    bookkeeping per slot (per FSDP group and per parameter byte of the largest stage), Lightning's per-step
-    overhead. ``None`` entries: not predictable (no timing, no
-    pipeline)."""
+    bookkeeping per slot (per FSDP group, parameter tensor and parameter byte of the largest stage),
+    Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no pipeline)."""
     from lit_parallel.parallel.calibration import pipeline_slot_s
     from lit_parallel.parallel.pipeline_time import StageWork, transfer_seconds, uneven_pipeline_step
     from lit_parallel.parallel.step_time import comm_seconds
@@ -109,14 +108,17 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     lay, share = pipe.layout, pipe.stage_share
     m = lay.microbatches
     # without a count per stage: stages equal, as their parameters (one stage's groups: its blocks + root)
-    work = pred.stage_work or [StageWork(share, share, round(share * (pred.groups - 1)) + 1)] * lay.stages
+    equal = StageWork(share, share, round(share * (pred.groups - 1)) + 1, round(share * t.tensors))
+    work = pred.stage_work or [equal] * lay.stages
     # every micro-batch dispatches the stage's ops again; its FLOPs are 1/M of the step's
     slot_s = [w.ops * t.ops * t.op_s + w.flops * t.flops / m * t.flop_s for w in work]
     cost = (pred.costs or {}).get("pp_dp")  # measured per slot by advise --verify's calibration
-    groups = max(w.groups for w in work)
+    groups, tensors = max(w.groups for w in work), max(w.tensors for w in work)
     transfer = transfer_seconds(pipe.boundary_bytes, pred.latency_s, pred.busbw_gbps)
     grad = 4 if pred.report.precision == "32-true" else 2
-    per_slot = pipeline_slot_s(cost, groups, share * pred.report.shape.params * grad) if cost else 0.0
+    per_slot = (
+        pipeline_slot_s(cost, groups, tensors, share * pred.report.shape.params * grad) if cost else 0.0
+    )
     time = uneven_pipeline_step(slot_s, microbatches=m, transfer_s=transfer, overhead_per_slot_s=per_slot)
     opt = share * (t.tensors * t.optimizer_tensor_s + t.elements / lay.data_parallel * t.optimizer_element_s)
     comm = time.p2p_s + time.overhead_s  # transfers and the schedule's per-slot bookkeeping
@@ -138,17 +140,18 @@ def pipeline_worker_entry(
     model: nn.Module, inputs: tuple, *, devices: int, repeats: int | None = None, timer: Any = None
 ) -> dict[str, Any]:
     """``pp_dp`` measured in every rank of an ``advise --verify`` launch (``devices`` ranks = stages), in the
-    shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s, "timing": t}`` (``t``:
-    ``timer``'s parts timed between the steps, :func:`~lit_parallel.advise_verify.parts_timing`). Raises what the
-    strategy raised (a model pp_dp cannot split, such as one with weights tied across stages): the caller
-    ends the launch, since another rank may be waiting inside a pipeline step."""
+    shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s, "timing": t}``
+    (``t``: ``timer``'s parts timed between the steps, as the slowest rank saw them,
+    :func:`~lit_parallel.advise_verify.slowest_rank_timing`). Raises what the strategy raised (a model pp_dp
+    cannot split, such as one with weights tied across stages): the caller ends the launch, since another
+    rank may be waiting inside a pipeline step."""
     import torch.distributed as dist
 
-    from lit_parallel.advise_verify import parts_timing, peak_dict
+    from lit_parallel.advise_verify import peak_dict, slowest_rank_timing
 
     peak, step_s = measure_pipeline_step(
         model, inputs, devices=devices, repeats=repeats, between=timer.sample if timer else None
     )
     peaks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_dict(peak))
-    return {"peaks": peaks, "step_s": step_s, "timing": parts_timing(timer)}
+    return {"peaks": peaks, "step_s": step_s, "timing": slowest_rank_timing(timer)}

@@ -197,8 +197,9 @@ def predict(
     unit = timing_unit(pred, module, largest)
     if unit is False:
         return pred
-    pred.timing = predict_step_time(module, block_name=unit, dtype=compute_dtype(precision),
-                                    batch_size=batch_size, seq_len=seq_len, example_inputs=given)  # fmt: skip
+    low = report.pipeline.layout.micro_batch if report.pipeline is not None else None  # pp_dp's slots run it
+    pred.timing = predict_step_time(module, block_name=unit, dtype=compute_dtype(precision), batch_size=batch_size,
+                                    seq_len=seq_len, example_inputs=given, low_batch=low)  # fmt: skip
     from lit_parallel.advise_verify import lightning_overhead
 
     pred.overhead_s = lightning_overhead()

@@ -268,12 +268,16 @@ def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
     if args.timing_unit is None:
         return None
     from lit_parallel.advise_report import meta_model, shaped_input
+    from lit_parallel.parallel.peak_pipeline import pipeline_microbatches
     from lit_parallel.parallel.step_time import PartsTimer
 
     _, module, _, _ = meta_model(args.model, kwargs)
     shape = _input_shape(args)
+    # pp_dp's micro-batch, as advise predicts it (the launch's ranks are its stages)
+    m = pipeline_microbatches(args.batch_size, args.devices) if args.batch_size else None
     return PartsTimer(module, block_name=args.timing_unit or None, batch_size=args.batch_size,
-                      seq_len=args.seq_len, example_inputs=shaped_input(shape))  # fmt: skip
+                      seq_len=args.seq_len, example_inputs=shaped_input(shape),
+                      low_batch=args.batch_size // m if m else None)  # fmt: skip
 
 
 def parts_timing(timer: Any) -> dict[str, Any] | None:
@@ -284,6 +288,22 @@ def parts_timing(timer: Any) -> dict[str, Any] | None:
     if timer is None or not timer.samples:
         return None
     return asdict(timer.timing())
+
+
+def slowest_rank_timing(timer: Any) -> dict[str, Any] | None:
+    """:func:`parts_timing` as the slowest rank saw it; call in every rank. A step that synchronises its
+    ranks (every collective) goes at the pace of the slowest: every rank took its samples between the same
+    two steps, so each sample becomes its largest over the ranks."""
+    import torch.distributed as dist
+
+    if timer is None:
+        return None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, timer.samples)
+    timer.samples = [
+        [max(parts) for parts in zip(*same, strict=True)] for same in zip(*gathered, strict=True)
+    ]
+    return parts_timing(timer)
 
 
 def _measure_strategy(
@@ -302,7 +322,7 @@ def _measure_strategy(
         return {"error": f"{type(err).__name__}: {err}"}
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_dict(peak))
-    return {"peaks": peaks, "step_s": step_s, "timing": parts_timing(timer)}
+    return {"peaks": peaks, "step_s": step_s, "timing": slowest_rank_timing(timer)}
 
 
 def _combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, Any]:

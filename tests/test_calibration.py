@@ -145,6 +145,7 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
         pipeline_slot_s,
         stage_bytes,
         stage_groups,
+        stage_tensors,
     )
 
     # 2 stages: a batch of 8 splits into 8 micro-batches (4 x stages), so 8 + 2 - 1 = 9 slots
@@ -172,16 +173,28 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
         share = report.pipeline.stage_share
         assert share * counts(name)[2] == pytest.approx(stage_bytes(name, 2)), name
 
-    # a pipeline that costs 1 ms per slot + 0.5 ms per stage group + 1 ns per byte of the stage, per slot:
-    # over 9 slots each
-    def per_slot(name: str) -> float:
-        return 1e-3 + 0.5e-3 * stage_groups(name, 2) + 1e-9 * stage_bytes(name, 2)
+    # the first stage's parameter tensors: the input Linear's 2 and 2 per Linear of its blocks
+    # (reference: 1 block of 1 layer, thin: 3 of 1, wide: 3 of 4, heavy: 1 of 1)
+    assert [stage_tensors(n, 2) for n in ("reference", "thin", "wide", "heavy")] == [4, 8, 26, 4]
+    assert stage_groups("wide", 2) == 4 and stage_bytes("wide", 2) == 4 * (5 * 4 + 12 * 5 * 4)
 
-    one = {"reference": 2e-3, "thin": 5e-3, "heavy": 9e-3}
+    # a pipeline that costs 1 ms per slot + 0.5 ms per stage group + 40 us per stage tensor + 1 ns per
+    # byte of the stage, per slot: over 9 slots each
+    def per_slot(name: str) -> float:
+        return (
+            1e-3
+            + 0.5e-3 * stage_groups(name, 2)
+            + 40e-6 * stage_tensors(name, 2)
+            + 1e-9 * stage_bytes(name, 2)
+        )
+
+    one = {"reference": 2e-3, "thin": 5e-3, "wide": 7e-3, "heavy": 9e-3}
     pipe = {n: one[n] + 9 * per_slot(n) for n in one}
     cost = fit_pipeline_cost(one, pipe, stages=2)
-    assert (cost.slot_s, cost.group_s, cost.byte_s, cost.fixed_s) == pytest.approx((1e-3, 0.5e-3, 1e-9, 0.0))
-    assert pipeline_slot_s(cost, 5, 1e6) == pytest.approx(1e-3 + 5 * 0.5e-3 + 1e-3)
+    got = (cost.slot_s, cost.group_s, cost.tensor_s, cost.byte_s, cost.fixed_s)
+    assert got == pytest.approx((1e-3, 0.5e-3, 40e-6, 1e-9, 0.0))
+    # a transformer stage of 3 groups, 26 tensors and 1 MB: 1 + 1.5 + 1.04 + 1 ms per slot
+    assert pipeline_slot_s(cost, 3, 26, 1e6) == pytest.approx(1e-3 + 3 * 0.5e-3 + 26 * 40e-6 + 1e-3)
 
 
 def test_an_uneven_pipeline_waits_for_its_slowest_stage():
@@ -210,6 +223,26 @@ def test_each_stage_is_charged_the_flops_of_the_pieces_it_runs():
     assert [w.groups for w in work] == [2, 2]  # one block and the stage's root each
     assert sum(w.ops for w in work) == pytest.approx(1.0)
     assert work[1].ops > 1 / 3  # the second stage also runs the loss's ops
+
+
+def test_each_stage_counts_the_parameter_tensors_of_the_pieces_pp_dp_gives_it():
+    import torch
+
+    from lit_parallel.parallel.peak import predict_peaks
+    from lit_parallel.parallel.pipeline_time import pipeline_stage_work, stage_tensors
+
+    # CalibrationNet(2 blocks of 3 layers) on 2 stages: inp's weight and bias with blocks.0's 3 Linears
+    # (2 + 6 tensors), then blocks.1's 3 Linears (6 tensors)
+    model = CalibrationNet(2, 3)
+    report = predict_peaks(model, precision="32-true", devices=2, nodes=1, batch_size=8, seq_len=None,
+                           block_names=["blocks.0", "blocks.1"], device_type="cpu",
+                           example_inputs=torch.empty(8, 4, device="meta"))  # fmt: skip
+    work = pipeline_stage_work(model, ["blocks.0", "blocks.1"], report.pipeline.layout, (torch.empty(1, 4),))
+    assert [w.tensors for w in work] == [2 + 6, 6]
+    # a parameter two pieces share (tied weights) is one tensor of the stage
+    tied = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4, bias=False)})
+    tied.b.weight = tied.a.weight
+    assert stage_tensors(tied, ["a", "b"]) == 2
 
 
 def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks():
@@ -250,23 +283,60 @@ def test_the_parts_timed_between_steps_give_the_rates_worked_out_by_hand():
     timer = PartsTimer(
         build_on_meta(mlp, {}), block_name=None, batch_size=4, example_inputs=shaped_input((FEATURES,))
     )
-    # the whole model at the micro-batch and at twice it: the same ops, twice the FLOPs (Linears only)
+    # the whole model at the micro-batch and at half of it: the same ops, half the FLOPs (Linears only)
     (ops1, flops1), (ops2, flops2) = timer.counts
-    assert ops1 == ops2 and flops2 == 2 * flops1 > 0
+    assert ops1 == ops2 and 2 * flops2 == flops1 > 0
     timer.sample()
     assert len(timer.samples) == 1 and len(timer.samples[0]) == 4 and min(timer.samples[0]) > 0
-    # made-up counts and samples (forward + backward at B and 2B, AdamW on the unit, AdamW on 64 tiny
+    # made-up counts and samples (forward + backward at B and B / 2, AdamW on the unit, AdamW on 64 tiny
     # tensors); the lower quartile of 8 samples is the third smallest
-    timer.counts, timer.unit_tensors, timer.unit_elements = [(100, 1000), (100, 2000)], 4, 1000
-    lq = [3e-3, 5e-3, 1.4e-3, 64e-5]
+    timer.counts, timer.unit_tensors, timer.unit_elements = [(100, 1000), (100, 500)], 4, 1000
+    timer.ops, timer.flops = timer.counts[0]
+    lq = [3e-3, 2e-3, 1.4e-3, 64e-5]
     timer.samples = [[v * f for v in lq] for f in (1.5, 1.0, 0.5, 2.0, 0.9, 3.0, 1.2, 1.1)]  # third: 1.0
     got = timer.timing()
     assert got.block_s == pytest.approx(3e-3)
-    assert got.flop_s == pytest.approx((5e-3 - 3e-3) / (2000 - 1000))  # 2 us per FLOP
+    assert got.flop_s == pytest.approx((3e-3 - 2e-3) / (1000 - 500))  # 2 us per FLOP
     assert got.op_s == pytest.approx((3e-3 - 2e-6 * 1000) / 100)  # what the FLOPs leave of B's time
     assert got.optimizer_tensor_s == pytest.approx(64e-5 / 64)
     assert got.optimizer_element_s == pytest.approx((1.4e-3 - 4 * 1e-5) / 1000)
     assert got.tensors == len(list(mlp().parameters())) and timer.samples == []  # forgotten once read
+    assert got.compute_s == pytest.approx(3e-3)  # the model timed whole: its time at the micro-batch
+
+    # a pipeline's micro-batch is the second batch timed (2 of 8 here), so its slots are not extrapolated
+    pp = PartsTimer(build_on_meta(mlp, {}), block_name=None, batch_size=8, example_inputs=shaped_input((FEATURES,)),
+                    low_batch=2)  # fmt: skip
+    assert 4 * pp.counts[1][1] == pp.counts[0][1] and pp.inputs[1][0][0].shape[0] == 2
+    # a micro-batch of one is timed next to twice it
+    one = PartsTimer(
+        build_on_meta(mlp, {}), block_name=None, batch_size=1, example_inputs=shaped_input((FEATURES,))
+    )
+    assert one.counts[1][1] == 2 * one.counts[0][1] and one.inputs[1][0][0].shape[0] == 2
+
+
+def test_the_step_rates_always_give_back_the_time_at_the_micro_batch():
+    from lit_parallel.parallel.step_time import _rates
+
+    counts = [(100, 1000), (100, 500)]
+    # half the FLOPs take 2 of 3 ms: 2 us per FLOP, the 1 ms left over 100 ops
+    assert _rates(counts, [3e-3, 2e-3]) == pytest.approx((1e-5, 2e-6))
+    # faster than in proportion (1 of 3 ms at half the FLOPs): the FLOPs pay it all, 3 ms / 1000
+    assert _rates(counts, [3e-3, 1e-3]) == pytest.approx((0.0, 3e-6))
+    # no faster at half the FLOPs: the ops pay it all, 3 ms / 100
+    assert _rates(counts, [3e-3, 3.5e-3]) == pytest.approx((3e-5, 0.0))
+    # twice the batch works as well (5 ms at 2000 FLOPs: 2 us per FLOP), and one count alone
+    assert _rates([(100, 1000), (100, 2000)], [3e-3, 5e-3]) == pytest.approx((1e-5, 2e-6))
+    assert _rates([(100, 1000)], [3e-3]) == pytest.approx((3e-5, 0.0))
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(tmp_path):
+    from tests.harness import launch
+
+    res = launch("tests.scenarios.advise:slowest_rank_timing", 2, tmp_path)
+    # sample 0: ranks 1 and 2 ms, sample 1: ranks 3 and 2 ms; the slowest per sample: 2 and 3 ms, whose
+    # lower quartile (of two: the smaller) is 2 ms, on both ranks; the samples are used up
+    assert res.scenario("slowest_rank_timing") == [{"block_s": 2e-3, "samples_left": 0, "none": None}] * 2
 
 
 def test_measure_step_calls_between_after_each_timed_step_only():

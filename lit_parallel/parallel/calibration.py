@@ -19,11 +19,12 @@ adds. Five shapes separate five costs:
 So ``per tensor = (wide - thin) / 36``, ``per group = (thin - reference - 8 x per tensor) / 4`` and ``per
 byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` groups, ``T`` parameter
 tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
-240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step: every collective, copy and hook the strategy runs,
-bytes included. DDP has no groups: its per-group cost is 0. ``pp_dp`` runs the ``reference`` and
-``thin`` and ``heavy`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages
-- 1), is a cost per slot, per FSDP group of the largest stage and per byte of its parameters, per slot
-(:func:`fit_pipeline_cost`); its stage boundary transfers are priced by the measured bus bandwidth.
+240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step:
+every collective, copy and hook the strategy runs, bytes included. DDP has no groups: its per-group cost
+is 0. ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and ``heavy`` shapes: what it adds, divided by
+that run's pipeline slots (micro-batches + stages - 1), is a cost per slot, per FSDP group, per parameter
+tensor and per parameter byte of the largest stage, per slot (:func:`fit_pipeline_cost`); its stage
+boundary transfers are priced by the measured bus bandwidth.
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def fit_costs(
     return out
 
 
-# pp_dp's calibration on 2 stages: 1 and 3 blocks per stage, and the reference's stages at width 1024
-PIPELINE_SHAPES = ("reference", "thin", "heavy")
+# pp_dp's calibration on 2 stages: 1 and 3 blocks per stage, 3 blocks of 4 layers, and the reference's
+# stages at width 1024
+PIPELINE_SHAPES = ("reference", "thin", "wide", "heavy")
 
 
 def calibration_slots(stages: int) -> int:
@@ -165,6 +167,13 @@ def stage_groups(name: str, stages: int) -> int:
     return -(-SHAPES[name][0] // stages) + 1
 
 
+def stage_tensors(name: str, stages: int) -> int:
+    """Parameter tensors of a calibration shape's largest pp_dp stage: the input layer's two and its share
+    of the blocks' Linears, two each."""
+    blocks, layers, _ = SHAPES[name]
+    return 2 + 2 * -(-blocks // stages) * layers
+
+
 def stage_bytes(name: str, stages: int) -> int:
     """fp32 parameter bytes of a calibration shape's largest pp_dp stage: the first, the input layer and
     its share of the blocks."""
@@ -176,26 +185,36 @@ def fit_pipeline_cost(
     one_process_s: dict[str, float], pipeline_s: dict[str, float], stages: int
 ) -> StrategyCost:
     """``pp_dp``'s cost per pipeline slot (micro-batches + stages - 1): what it added to each of
-    :data:`PIPELINE_SHAPES`, spread over the slots of their run, is ``slot_s + group_s x G + byte_s x B``
-    with ``G`` the FSDP groups and ``B`` the parameter bytes of the largest stage (every slot runs each
-    group's hooks, and FSDP2 copies the stage's parameters into and out of its gather buffers for every
-    micro-batch's forward and backward, though one data-parallel rank has nothing to gather)."""
+    :data:`PIPELINE_SHAPES`, spread over the slots of their run, is ``slot_s + group_s x G + tensor_s x T
+    + byte_s x B`` with ``G`` the FSDP groups, ``T`` the parameter tensors and ``B`` the parameter bytes of
+    the largest stage. Every slot runs each group's hooks and FSDP2's per-parameter work (its DTensor
+    views, the copies of each parameter into and out of the group's gather buffers, for every micro-batch's
+    forward and backward, though one data-parallel rank has nothing to gather): a transformer block of a
+    dozen tensors costs more per slot than a calibration block of two."""
     groups, tensors, _ = counts("reference")
     slots = calibration_slots(stages)
     per_slot = {n: max(0.0, pipeline_s[n] - one_process_s[n]) / slots for n in PIPELINE_SHAPES}
     g = {n: stage_groups(n, stages) for n in PIPELINE_SHAPES}
+    t = {n: stage_tensors(n, stages) for n in PIPELINE_SHAPES}
     b = {n: stage_bytes(n, stages) for n in PIPELINE_SHAPES}
+    # heavy is reference at a larger width (same groups and tensors), wide is thin with more layers per
+    # block (same groups), thin is reference with more blocks
     per_byte = max(0.0, (per_slot["heavy"] - per_slot["reference"]) / (b["heavy"] - b["reference"]))
-    thin = per_slot["thin"] - per_byte * (b["thin"] - b["reference"])
+    wide = per_slot["wide"] - per_byte * (b["wide"] - b["thin"])
+    per_tensor = max(0.0, (wide - per_slot["thin"]) / (t["wide"] - t["thin"]))
+    thin = (
+        per_slot["thin"] - per_byte * (b["thin"] - b["reference"]) - per_tensor * (t["thin"] - t["reference"])
+    )
     per_group = max(0.0, (thin - per_slot["reference"]) / (g["thin"] - g["reference"]))
-    slot = max(0.0, per_slot["reference"] - per_group * g["reference"] - per_byte * b["reference"])
-    return StrategyCost(0.0, per_group, 0.0, groups, tensors, slot_s=slot, byte_s=per_byte)
+    slot = per_slot["reference"] - per_group * g["reference"] - per_tensor * t["reference"]
+    slot = max(0.0, slot - per_byte * b["reference"])
+    return StrategyCost(0.0, per_group, per_tensor, groups, tensors, slot_s=slot, byte_s=per_byte)
 
 
-def pipeline_slot_s(cost: StrategyCost, groups: int, stage_param_bytes: float) -> float:
-    """What ``pp_dp`` adds per slot to a model whose largest stage has ``groups`` FSDP groups and
-    ``stage_param_bytes`` bytes of parameters (:func:`fit_pipeline_cost`)."""
-    return cost.slot_s + cost.group_s * groups + cost.byte_s * stage_param_bytes
+def pipeline_slot_s(cost: StrategyCost, groups: int, tensors: int, stage_param_bytes: float) -> float:
+    """What ``pp_dp`` adds per slot to a model whose largest stage has ``groups`` FSDP groups, ``tensors``
+    parameter tensors and ``stage_param_bytes`` bytes of parameters (:func:`fit_pipeline_cost`)."""
+    return cost.slot_s + cost.group_s * groups + cost.tensor_s * tensors + cost.byte_s * stage_param_bytes
 
 
 def load_cluster(path: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ activation sent forward and one gradient sent back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -27,11 +27,13 @@ from lit_parallel.parallel.peak_pipeline import PipelineStepTime
 
 @dataclass(frozen=True)
 class StageWork:
-    """One stage's share of a micro-batch's ops and FLOPs, and its FSDP groups (its blocks + its root)."""
+    """One stage's share of a micro-batch's ops and FLOPs, its FSDP groups (its blocks + its root) and its
+    parameter tensors (0: not counted)."""
 
     ops: float
     flops: float
     groups: int
+    tensors: int = 0
 
 
 def stage_work(module: nn.Module, stage_blocks: list[list[str]], args: tuple) -> list[StageWork]:
@@ -104,4 +106,12 @@ def pipeline_stage_work(
     from lit_parallel.parallel.peak_pipeline import pipeline_plan
 
     plan = pipeline_plan(module, block_names, layout)
-    return stage_work(module, [list(s.blocks) for s in plan.stages], args)
+    work = stage_work(module, [list(s.blocks) for s in plan.stages], args)
+    return [
+        replace(w, tensors=stage_tensors(module, s.pieces)) for w, s in zip(work, plan.stages, strict=True)
+    ]
+
+
+def stage_tensors(module: nn.Module, pieces: list[str]) -> int:
+    """Parameter tensors a stage made of the submodules ``pieces`` of ``module`` holds (a tied one once)."""
+    return len({id(p) for name in pieces for p in module.get_submodule(name).parameters()})

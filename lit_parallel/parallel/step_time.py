@@ -32,8 +32,9 @@ class StepTime:
     """Predicted seconds of one step's parts on this machine (per rank, before communication).
 
     Compute is ``ops x seconds_per_op + FLOPs x seconds_per_flop``: both rates come from timing the
-    block at the micro-batch and at twice it (the FLOPs double, the number of ops does not); the
-    model's ops and FLOPs are counted on the meta device. AdamW is ``tensors x seconds_per_tensor +
+    block at the micro-batch and at a smaller batch (the pipeline's micro-batch, or half; twice the
+    micro-batch for a batch of one): the FLOPs change, the number of ops does not. The rates reproduce the
+    time at the micro-batch. The model's ops and FLOPs are counted on the meta device. AdamW is ``tensors x seconds_per_tensor +
     elements x seconds_per_element``, from timing it on the block's parameters and on many tiny tensors.
     """
 
@@ -191,9 +192,10 @@ def _fwd_bwd(m: nn.Module, a: tuple, k: dict, whole: bool) -> None:
 
 class PartsTimer:
     """The parts of a step `advise` times, ready to be timed again and again: the unit's forward + backward
-    (the largest block, ``block_name``; the whole model without one) at the micro-batch and at twice it,
-    AdamW on the unit's parameters and on 64 tiny tensors. The unit is materialised once (random weights)
-    and its inputs made once.
+    (the largest block, ``block_name``; the whole model without one) at the micro-batch and at a second
+    batch (``low_batch``: the pipeline's micro-batch, which the step is predicted at; half the micro-batch
+    without it; twice it for a micro-batch of one), AdamW on the unit's parameters and on 64 tiny tensors.
+    The unit is materialised once (random weights) and its inputs made once.
 
     :meth:`sample` times every part once and keeps the seconds; :meth:`timing` turns the samples kept into
     a :class:`StepTime` (the lower quartile of each part). ``advise --verify`` samples between the steps it
@@ -202,6 +204,7 @@ class PartsTimer:
     def __init__(
         self, module: nn.Module, *, block_name: str | None, dtype: torch.dtype = torch.float32,
         batch_size: int | None = None, seq_len: int | None = None, example_inputs: Any = None,
+        low_batch: int | None = None,
     ) -> None:  # fmt: skip
         from lit_parallel.advise_verify import vocabulary
 
@@ -213,11 +216,11 @@ class PartsTimer:
         self.description = f"{block_name} ({type(unit).__name__})" if block_name else "the whole model"
         vocab = vocabulary(unit) if self.whole else None
         calls = [(unit, args, kwargs)]
-        if example_inputs is None or callable(example_inputs):  # twice the micro-batch: separates the
-            # per-op cost from the per-FLOP cost
-            _, unit2, args2, kwargs2, _, _ = _block_inputs(
-                module, block_name, dtype, 2 * example.batch_size, kw
-            )
+        if example_inputs is None or callable(example_inputs):  # a second batch: separates the per-op
+            # cost from the per-FLOP cost
+            batch = example.batch_size
+            low = low_batch if low_batch is not None and 1 <= low_batch < batch else batch // 2
+            _, unit2, args2, kwargs2, _, _ = _block_inputs(module, block_name, dtype, low or 2 * batch, kw)
             calls.append((unit2, args2, kwargs2))
         # (ops, FLOPs) of each call, counted on the meta unit; the real one is timed. The whole model's
         # first call is the step _block_inputs counted already.
@@ -266,26 +269,38 @@ class PartsTimer:
         parts = [typical_seconds(list(column)) for column in zip(*self.samples, strict=True)]
         self.samples = []
         *fwd_bwd, whole_adamw, tiny_adamw = parts
-        (ops1, flops1), t1 = self.counts[0], fwd_bwd[0]
-        op_s, flop_s = t1 / max(1, ops1), 0.0
-        if len(fwd_bwd) > 1:
-            (_, flops2), t2 = self.counts[1], fwd_bwd[1]
-            if flops2 > flops1 and t2 > t1:
-                flop_s = (t2 - t1) / (flops2 - flops1)
-                op_s = max(0.0, t1 - flop_s * flops1) / max(1, ops1)
+        op_s, flop_s = _rates(self.counts, fwd_bwd)
         tensor_s = tiny_adamw / 64
         element_s = max(0.0, whole_adamw - tensor_s * self.unit_tensors) / max(1, self.unit_elements)
         return StepTime(
-            block_s=t1, op_s=op_s, flop_s=flop_s, ops=self.ops, flops=self.flops, optimizer_tensor_s=tensor_s,
+            block_s=fwd_bwd[0], op_s=op_s, flop_s=flop_s, ops=self.ops, flops=self.flops, optimizer_tensor_s=tensor_s,
             optimizer_element_s=element_s, tensors=self.tensors, elements=self.elements,
             block_description=self.description, block_name=self.block_name,
         )  # fmt: skip
 
 
+def _rates(counts: list[tuple[int, int]], seconds: list[float]) -> tuple[float, float]:
+    """(seconds per op, seconds per FLOP) through the first (ops, FLOPs) count and its seconds, the slope
+    from the second when there is one: the time at the micro-batch is reproduced whatever the second says.
+    A second time that does not grow with the FLOPs leaves the ops alone to pay (no per-FLOP cost); one
+    that grows faster than in proportion (cache effects, noise) leaves the FLOPs alone (no per-op cost)."""
+    (ops1, flops1), t1 = counts[0], seconds[0]
+    if len(counts) < 2 or counts[1][1] == flops1:
+        return t1 / max(1, ops1), 0.0
+    (_, flops2), t2 = counts[1], seconds[1]
+    flop_s = (t2 - t1) / (flops2 - flops1)
+    if flop_s <= 0:
+        return t1 / max(1, ops1), 0.0
+    if flop_s * flops1 > t1:
+        return 0.0, t1 / flops1
+    return (t1 - flop_s * flops1) / max(1, ops1), flop_s
+
+
 def predict_step_time(module: nn.Module, *, block_name: str | None, repeats: int = 15, **kw: Any) -> StepTime:
-    """Time the largest block (``block_name``; the whole model without blocks) at the micro-batch and at
-    twice it, and AdamW on its parameters, ``repeats`` times (:class:`PartsTimer`); scale to the whole model
-    by ops and FLOPs. ``kw``: ``dtype``, ``batch_size``, ``seq_len``, ``example_inputs``."""
+    """Time the largest block (``block_name``; the whole model without blocks) at the micro-batch and at a
+    second batch, and AdamW on its parameters, ``repeats`` times (:class:`PartsTimer`); scale to the whole
+    model by ops and FLOPs. ``kw``: ``dtype``, ``batch_size``, ``seq_len``, ``example_inputs``,
+    ``low_batch``."""
     timer = PartsTimer(module, block_name=block_name, **kw)
     for _ in range(repeats):
         timer.sample()
