@@ -25,15 +25,14 @@ def test_the_calibration_shapes_have_the_groups_and_tensors_the_fit_assumes():
 def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     # a strategy that costs 3 ms per step, 2 ms per FSDP group, 50 us per parameter tensor and 1 ms per MB
     # beyond the reference shape (3 groups, 6 tensors, 240 bytes): thin has 7 groups / 14 tensors, wide 7
-    # groups / 50 tensors, heavy the reference's groups and tensors and 8,418,560 more bytes
+    # groups / 146 tensors, heavy the reference's groups and tensors and 8,418,560 more bytes
     fixed, group, tensor, per_byte = 3e-3, 2e-3, 50e-6, 1e-9
     heavy_bytes = 4 * (5 * 1024 + 2 * (1024 * 1024 + 1024)) - 240
-    # DDP also broadcasts buffers at every forward: 0.7 ms more for the buffered shape; FSDP2 syncs none
-    one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3, "heavy": 9e-3, "buffered": 1e-3}
-    extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor, "wide": fixed + 4 * group + 44 * tensor,
-             "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed + 0.2e-3}  # fmt: skip
-    ddp_extra = {"reference": fixed, "thin": fixed + 8 * tensor, "wide": fixed + 44 * tensor,
-                 "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed + 0.7e-3}  # fmt: skip
+    one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3, "heavy": 9e-3}
+    extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor, "wide": fixed + 4 * group + 140 * tensor,
+             "heavy": fixed + heavy_bytes * per_byte}  # fmt: skip
+    ddp_extra = {"reference": fixed, "thin": fixed + 8 * tensor, "wide": fixed + 140 * tensor,
+                 "heavy": fixed + heavy_bytes * per_byte}  # fmt: skip
     costs = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one},
                             "ddp_tuned": {k: one[k] + ddp_extra[k] for k in one}})  # fmt: skip
     f, d = costs["fsdp_blocks"], costs["ddp_tuned"]
@@ -42,8 +41,6 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     # a model of 13 groups, 100 tensors and 1,000,240 bytes: 3 ms + 10 x 2 ms + 94 x 50 us + 1 ms
     assert f.seconds(13, 100, 1_000_240) == pytest.approx(3e-3 + 20e-3 + 4.7e-3 + 1e-3)
     assert d.seconds(13, 100, 1_000_240) == pytest.approx(3e-3 + 4.7e-3 + 1e-3)
-    assert d.buffers_s == pytest.approx(0.7e-3) and f.buffers_s == 0.0  # FSDP's difference is noise to it
-    assert d.seconds(13, 100, 1_000_240, buffers=True) == pytest.approx(3e-3 + 4.7e-3 + 1e-3 + 0.7e-3)
 
 
 def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_the_fixed_cost():
@@ -87,6 +84,16 @@ def test_the_predicted_step_adds_the_measured_strategy_cost():
     assert pred.step_s("hsdp")["comm_s"] == pytest.approx(hsdp_comm)
     # without a measured cost the old pricing: every collective call pays the latency
     assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(1e-4 + 2 * params * 4 / 2 / 1e9)
+    # DDP measured: 1 ms + 20 us per tensor beyond 6 (its bytes, 4 x params - 240, at 1 ns each); a model
+    # with buffers pays one more call at the latency (their broadcast at every forward), FSDP2 none
+    ddp = StrategyCost(fixed_s=1e-3, group_s=0.0, tensor_s=2e-5, reference_groups=3, reference_tensors=6,
+                       byte_s=1e-9, reference_bytes=240)  # fmt: skip
+    pred.costs["ddp_tuned"] = ddp
+    ddp_comm = 1e-3 + (tensors - 6) * 2e-5 + (4 * params - 240) * 1e-9
+    assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(ddp_comm)
+    pred.buffers = True
+    assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(ddp_comm + 1e-4)
+    assert pred.step_s("fsdp_blocks")["comm_s"] == pytest.approx(comm)
 
 
 def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypatch, capsys):
@@ -103,6 +110,7 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
         "reference_tensors": 6,
         "byte_s": 1e-9,
         "reference_bytes": 240,
+        "buffers_s": 0.5,  # written by an older version: read, and ignored
     }
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"measured_cluster": {"ranks": 2, "busbw_gbps": 0.5, "latency_s": 2e-4,
@@ -135,6 +143,9 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
     bad.write_text(json.dumps({"busbw_gbps": 1.0}))
     assert main([*args, "--cluster", str(bad)]) != 0
     assert "no measured_cluster with busbw_gbps, latency_s, strategy_costs in it" in capsys.readouterr().err
+    bad.write_text(json.dumps({"busbw_gbps": 1.0, "latency_s": 1e-4, "strategy_costs": {"ddp_tuned": 3}}))
+    assert main([*args, "--cluster", str(bad)]) != 0
+    assert "a strategy cost is malformed" in capsys.readouterr().err
 
 
 def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_calibration_runs():
@@ -174,9 +185,9 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
         assert share * counts(name)[2] == pytest.approx(stage_bytes(name, 2)), name
 
     # the first stage's parameter tensors: the input Linear's 2 and 2 per Linear of its blocks
-    # (reference: 1 block of 1 layer, thin: 3 of 1, wide: 3 of 4, heavy: 1 of 1)
-    assert [stage_tensors(n, 2) for n in ("reference", "thin", "wide", "heavy")] == [4, 8, 26, 4]
-    assert stage_groups("wide", 2) == 4 and stage_bytes("wide", 2) == 4 * (5 * 4 + 12 * 5 * 4)
+    # (reference: 1 block of 1 layer, thin: 3 of 1, wide: 3 of 12, heavy: 1 of 1)
+    assert [stage_tensors(n, 2) for n in ("reference", "thin", "wide", "heavy")] == [4, 8, 74, 4]
+    assert stage_groups("wide", 2) == 4 and stage_bytes("wide", 2) == 4 * (5 * 4 + 36 * 5 * 4)
 
     # a pipeline that costs 1 ms per slot + 0.5 ms per stage group + 40 us per stage tensor + 1 ns per
     # byte of the stage, per slot: over 9 slots each

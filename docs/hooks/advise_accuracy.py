@@ -61,45 +61,37 @@ NOTES = """
 - **Step time** is predicted as the one-process step plus what the strategy adds. The one-process step
   is the whole model's forward + backward timed here (the largest block scaled by its ops and FLOPs when
   the model would take more than 5 % of RAM), AdamW timed on the parameters (elements divided where
-  sharded) and Lightning's per-step overhead (a one-weight model's step). What a strategy adds is measured
-  by the launch on five tiny calibration models (`lit_parallel/parallel/calibration.py`): a fixed cost, a
-  cost per FSDP group, per parameter tensor and per parameter byte, and DDP's broadcast of buffers for
-  models that have them. `pp_dp` is priced stage by stage: each stage's own share of the ops and FLOPs
-  (counted on the meta device), the slowest stage busy for every micro-batch and the others once (the
-  bubble), and a measured cost per slot, per FSDP group and per parameter byte of the largest stage, per
-  slot (FSDP2 copies a stage's parameters into and out of its gather buffers for every micro-batch;
-  `lit_parallel/parallel/pipeline_time.py`). On CPU ranks the per-call costs, not the bytes, decide small
-  models' steps: a tiny all-reduce costs 0.1-0.3 ms here, an FSDP group 2-7 ms. `advise --cluster FILE`
-  reuses a launch's costs for any other model.
+  sharded) and Lightning's per-step overhead (a one-weight model's step). The unit is timed at the
+  micro-batch and at a smaller batch (`pp_dp`'s micro-batch, or half), which splits its time into a cost
+  per op and per FLOP that gives back the time at the micro-batch. What a strategy adds is measured by the
+  launch on four tiny calibration models (`lit_parallel/parallel/calibration.py`): a fixed cost, a cost
+  per FSDP group, per parameter tensor (from 132 tensors more in one model than in another: a long lever
+  against the noise below) and per parameter byte; DDP's broadcast of a model's buffers at every forward
+  is one more call at the measured latency. `pp_dp` is priced stage by stage: each stage's own share of
+  the ops and FLOPs (counted on the meta device), the slowest stage busy for every micro-batch and the
+  others once (the bubble), and a measured cost per slot and, per slot, per FSDP group, parameter tensor
+  and parameter byte of the largest stage (FSDP2 handles each of a stage's parameters for every
+  micro-batch; `lit_parallel/parallel/pipeline_time.py`). On CPU ranks the per-call costs, not the bytes,
+  decide small models' steps: a tiny all-reduce costs 0.1-0.3 ms here, an FSDP group 2-7 ms. `advise
+  --cluster FILE` reuses a launch's costs for any other model.
 - **Noise, and how the measurement deals with it.** This 2-core machine does not keep one speed. The same
   plain training step of `gpt2` (forward, backward, AdamW), timed in 12 windows of 12 steps a second
   apart, had a fastest step of 3.7 ms in one window and 6.6 ms in another; a matrix product that stays in
   cache does not vary (its fastest repeat was 434 us in every half second of 30 s). What varies is work
   that goes to memory, which the machine's neighbours slow down. A part timed a few seconds away from the
   step it predicts measures another machine. So `--verify` times the prediction's parts (the unit's
-  forward + backward at the micro-batch and at twice it, AdamW) between the measured steps, one sample
-  after each (`lit_parallel.parallel.step_time.PartsTimer`), in the launch on every rank at once under
-  the strategy being measured. In one `gpt2` run the ratio of each measured step to the parts timed next
-  to it had quartiles 0.92 / 0.98 / 1.04 while the steps themselves drifted from 4.6 to 7.5 ms. Every
-  timing, on both sides, is the lower quartile of its samples; the launch measures in 3 rounds and
-  reports the median. Lightning's overhead and the calibration models are timed in runs of their own, and
-  their noise is what is left: a strategy's cost is a difference of two steps (its calibration shape in
-  one process and under the strategy), each of which moves by 1-2 ms between runs under FSDP2.
-- **Where the step time misses.** This run: 58 of 61 rows within 25 % (median error 10.4 %); one
-  process, `ddp_tuned` and `fsdp_blocks` 14 of 14 each. Two runs of the same code earlier the same day
-  had 57 and 56 of 61, and before the parts were timed between the measured steps a run had 51 of 61
-  (median 13.1 %), the one before 36 of 61. The three misses:
-  - ZeRO-2 on the small Hugging Face models `bert` (34.5 %) and `llama` (32.6 %), both predicted short.
-    These move from run to run. Running `advise --verify` on the two models right after this page, `bert`'s
-    ZeRO-2 was 0.1 % off and `llama`'s 4.5 %, while `llama`'s `fsdp_blocks` missed (27.7 %). ZeRO-2 and
-    `fsdp_blocks` rows also missed in the other runs (`vit`, `TorchDecoderLM`, `ConvNet`). What varies is
-    the strategy's measured cost: fitted on the same calibration models, ZeRO-2 cost 17.3 ms fixed and
-    261 us per tensor in `bert`'s launch, then 16.0 ms and 163 us in `llama`'s a minute later. On these
-    15-40 ms steps, most of the step is that cost.
-  - `pp_dp` on the recipes' Llama (26.9 %; GPT 22.2 %), predicted short in every run. Timing torch's
-    pipeline stage on GPT: a micro-batch's forward and backward on one stage take 14.6 ms; its share of
-    the model's compute is 8.6 ms, and FSDP2's hooks (about 1.4 ms a micro-batch) and the measured
-    per-slot cost do not make up the rest. Where the remaining 4-5 ms a micro-batch go is not found.
+  forward + backward at both batches, AdamW) between the measured steps, one sample after each
+  (`lit_parallel.parallel.step_time.PartsTimer`), in the launch on every rank at once under the strategy
+  being measured, and each sample counts at its slowest rank's time (a step that synchronises its ranks
+  goes at the slowest one's pace; on `bert` under DDP that added 12 % to the compute). In one `gpt2` run
+  the ratio of each measured step to the parts timed next to it had quartiles 0.92 / 0.98 / 1.04 while
+  the steps themselves drifted from 4.6 to 7.5 ms. Every timing, on both sides, is the lower quartile of
+  its samples; the launch measures in 3 rounds and reports the median. Lightning's overhead and the
+  calibration models are timed in runs of their own, and their noise is what is left: a strategy's cost
+  is a difference of two steps (its calibration shape in one process and under the strategy), each of
+  which moves by 1-2 ms between runs under FSDP2, and whole launches of `bert` measured its ZeRO-2 step
+  at 28 ms in one run and 43 ms in the next.
+- **Where the step time misses.** {misses}
 - **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
   `ResidualSequentialNet`: the pipeline's own buffers are counted once (the batch on every rank, torch's
   receive buffers for the activation, the inputs passed along and the gradient, the last stage's outputs,
@@ -126,6 +118,24 @@ def run_one(model: str, extra: list[str], out: Path) -> tuple[dict | None, str]:
 
 def _fmt_bytes(n: float) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def _misses(rows: list) -> str:
+    """This run's step-time misses, in words (for the notes)."""
+    timed = [(name, strategy, step) for name, strategy, _, step in rows if step is not None]
+    short = sum(step["predicted"] < step["measured"] for *_, step in timed)
+    missed = [
+        f"`{name}` {strategy} {step['error']:.1%} (predicted {step['predicted'] * 1e3:.1f} ms, measured"
+        f" {step['measured'] * 1e3:.1f} ms)"
+        for name, strategy, step in timed
+        if step["error"] > 0.25
+    ]
+    return (
+        f"This run: {len(timed) - len(missed)} of {len(timed)} rows within 25 %; {short} of the {len(timed)}"
+        " were predicted short."
+        + (f" Missed: {'; '.join(missed)}." if missed else " None missed.")
+        + " A row near the bound can cross it from one run to the next (see Noise, above)."
+    )
 
 
 def main() -> int:
@@ -180,7 +190,7 @@ def main() -> int:
             lines.append(f"| {run} | {sum(r[2]['error'] <= 0.10 for r in mine)} of {len(mine)}"
                          f" | {sum(e <= 0.25 for e in errs)} of {len(errs)}"
                          f" | {statistics.median(errs):.1%} |" if errs else f"| {run} | - | - | - |")  # fmt: skip
-    lines += NOTES.splitlines()
+    lines += NOTES.format(misses=_misses(rows)).splitlines()
     if NOT_COVERED:
         lines += ["", f"Not covered: {NOT_COVERED}."]
     if failures:

@@ -2,7 +2,8 @@
 
 * compute: the largest transformer block's forward + backward is timed for real (lower quartile of repeats; a
   model built on the meta device gets one block materialised, nothing more) at the per-rank micro-batch
-  and at twice it. The two timings give a cost per op and a cost per FLOP on this machine; the whole
+  and at a smaller batch (``pp_dp``'s micro-batch, or half). The two timings give a cost per op and a
+  cost per FLOP on this machine that reproduce the time at the micro-batch; the whole
   step's ops and FLOPs are counted on the meta device (``torch.utils.flop_counter.FlopCounterMode``:
   matrix products, convolutions, attention) and priced with them.
 * optimizer: AdamW timed on the block's parameters and on many tiny tensors: a cost per tensor and per
