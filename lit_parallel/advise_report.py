@@ -92,12 +92,11 @@ class Prediction:
             more_calls = calls - collectives_per_step("fsdp_blocks", groups=self.groups, grad_bytes=grad)
             own = cost.seconds(self.groups, self.timing.tensors, cost.reference_bytes)  # no per-byte part
             return sent + max(0, more_calls) * self.latency_s + own
-        # measured for this strategy: the bytes are in its per-byte cost; DDP's extra buckets pay the
-        # latency, and so does its broadcast of the model's buffers at every forward (FSDP2 syncs none)
+        # measured for this strategy: the bytes are in its per-byte cost; DDP's extra buckets pay the latency
         calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
-        more_calls = max(0, calls - 1) + int(self.buffers) if strategy == "ddp_tuned" else 0
+        more_calls = max(0, calls - 1) if strategy == "ddp_tuned" else 0
         return more_calls * self.latency_s + cost.seconds(
-            self.groups, self.timing.tensors, r.shape.params * grad
+            self.groups, self.timing.tensors, r.shape.params * grad, buffers=self.buffers
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -377,6 +376,7 @@ def print_cluster(cluster: dict[str, Any], console: Any) -> None:
         if name == "pp_dp"
         else f"{name} {c['fixed_s'] * 1e3:.2f} ms + {c['group_s'] * 1e3:.2f} ms per FSDP group"
         f" + {c['tensor_s'] * 1e6:.0f} us per parameter tensor + {c['byte_s'] * 1e9:.2f} ms per MB of parameters"
+        + (f" + {c['buffers_s'] * 1e3:.2f} ms with buffers" if c.get("buffers_s") else "")
         for name, c in cluster["strategy_costs"].items()
     )
     console.print(f"measured on {cluster['ranks']} ranks: all-reduce {cluster['busbw_gbps']:.3g} GB/s bus bandwidth,"

@@ -511,7 +511,7 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_and_fsdp_within_10_percen
     # pp_dp runs last and failed (see above): the launch ended there, with everything before it measured
     assert set(res["calibration"]) == set(LAUNCH_STRATEGIES) - {"pp_dp"}
     for strategy, seconds in res["calibration"].items():
-        assert set(seconds) == {"reference", "thin", "wide", "heavy"}
+        assert set(seconds) == {"reference", "thin", "wide", "heavy", "buffered"}
         assert min(seconds.values()) > 0, (strategy, seconds)
     # what advise times in one process was timed in the launch too, every rank at once: Lightning's per-step
     # overhead and every calibration shape without a strategy; the whole model (timing_unit "") between

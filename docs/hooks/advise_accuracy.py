@@ -64,10 +64,11 @@ NOTES = """
   sharded) and Lightning's per-step overhead (a one-weight model's step). The unit is timed at the
   micro-batch and at a smaller batch (`pp_dp`'s micro-batch, or half), which splits its time into a cost
   per op and per FLOP that gives back the time at the micro-batch. What a strategy adds is measured by the
-  launch on four tiny calibration models (`lit_parallel/parallel/calibration.py`): a fixed cost, a cost
+  launch on five tiny calibration models (`lit_parallel/parallel/calibration.py`): a fixed cost, a cost
   per FSDP group, per parameter tensor (from 132 tensors more in one model than in another: a long lever
-  against the noise below) and per parameter byte; DDP's broadcast of a model's buffers at every forward
-  is one more call at the measured latency. `pp_dp` is priced stage by stage: each stage's own share of
+  against the noise below) and per parameter byte, and DDP's broadcast of buffers for models that have
+  them (a synchronisation in the middle of the forward: priced as one tiny collective instead, the rows
+  of models with buffers came out 16-20 % short). `pp_dp` is priced stage by stage: each stage's own share of
   the ops and FLOPs (counted on the meta device), the slowest stage busy for every micro-batch and the
   others once (the bubble), and a measured cost per slot and, per slot, per FSDP group, parameter tensor
   and parameter byte of the largest stage (FSDP2 handles each of a stage's parameters for every

@@ -1,4 +1,4 @@
-"""What each strategy adds to a step on this cluster, measured on four tiny models.
+"""What each strategy adds to a step on this cluster, measured on five tiny models.
 
 On a GPU cluster a tiny collective costs microseconds; on CPU ranks (gloo) it costs what the operating
 system's scheduler makes of it, and FSDP2's per-group work (hooks, copies into and out of the flat
@@ -6,22 +6,23 @@ all-gather / reduce-scatter buffers, DTensor dispatch in the optimizer) dominate
 that follows from a bandwidth figure, so it is measured: :class:`CalibrationNet` (``blocks`` residual
 blocks of ``layers`` Linears of ``width`` features) is trained for a few steps in one process and under
 each strategy in a real launch (``lit-parallel advise --verify``); the difference is what the strategy
-adds. Four shapes separate four costs:
+adds. Five shapes separate five costs:
 
 * ``reference`` (2 blocks of 1 layer, width 4): the strategy's fixed cost per step (one bucket, or the
   root group and two block groups);
 * ``thin`` (6 blocks of 1 layer): 4 more FSDP groups and 8 more parameter tensors;
-* ``wide`` (6 blocks of 12 layers): the same groups, 132 more tensors than ``thin`` (a long lever: a
-  model has tens to hundreds of tensors, and the steps this cost is the difference of move by a
-  millisecond or two from run to run);
+* ``wide`` (6 blocks of 12 layers): the same groups, 132 more tensors than ``thin`` (a long lever: models
+  have tens to hundreds of tensors, and each calibration step moves by a millisecond or two between runs);
 * ``heavy`` (``reference`` at width 1024): the same groups and tensors, about 8.4 MB more parameters;
+* ``buffered`` (``reference`` with a buffer): what syncing buffers adds (DDP broadcasts them at every
+  forward, a synchronisation of the ranks in the middle of the step; FSDP2 does not).
 
 So ``per tensor = (wide - thin) / 132``, ``per group = (thin - reference - 8 x per tensor) / 4`` and ``per
 byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` groups, ``T`` parameter
 tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
-240) x per byte`` on top of its one-process step: every collective, copy and hook the strategy runs,
-bytes included. DDP has no groups: its per-group cost is 0; a model with buffers pays one more tiny
-collective at the measured latency under DDP, which broadcasts them at every forward (FSDP2 does not). ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and ``heavy`` shapes: what it adds, divided by
+240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step:
+every collective, copy and hook the strategy runs, bytes included. DDP has no groups: its per-group cost
+is 0. ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and ``heavy`` shapes: what it adds, divided by
 that run's pipeline slots (micro-batches + stages - 1), is a cost per slot, per FSDP group, per parameter
 tensor and per parameter byte of the largest stage, per slot (:func:`fit_pipeline_cost`); its stage
 boundary transfers are priced by the measured bus bandwidth.
@@ -35,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-# name -> (blocks, layers per block, width)
+# name -> (blocks, layers per block, width); "buffered" is "reference" with a buffer (DDP syncs buffers)
 SHAPES: dict[str, tuple[int, int, int]] = {
-    "reference": (2, 1, 4), "thin": (6, 1, 4), "wide": (6, 12, 4), "heavy": (2, 1, 1024)
+    "reference": (2, 1, 4), "thin": (6, 1, 4), "wide": (6, 12, 4), "heavy": (2, 1, 1024), "buffered": (2, 1, 4)
 }  # fmt: skip
 FEATURES = 4
 BATCH = 8
@@ -58,10 +59,12 @@ class CalibrationNet(nn.Module):
     """``Linear(4, width)`` then ``blocks`` :class:`Residual` blocks of ``layers`` Linears each (a chain of
     blocks, so ``pp_dp`` can cut it into stages as well)."""
 
-    def __init__(self, blocks: int, layers: int, width: int = FEATURES) -> None:
+    def __init__(self, blocks: int, layers: int, width: int = FEATURES, buffer: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(FEATURES, width)
         self.blocks = nn.ModuleList(Residual(layers, width) for _ in range(blocks))
+        if buffer:  # state that is not a parameter (running statistics, say): DDP broadcasts it every step
+            self.register_buffer("state", torch.zeros(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -71,7 +74,7 @@ class CalibrationNet(nn.Module):
 
 
 def calibration_model(name: str) -> nn.Module:
-    return CalibrationNet(*SHAPES[name])
+    return CalibrationNet(*SHAPES[name], buffer=name == "buffered")
 
 
 def calibration_input() -> tuple[torch.Tensor]:
@@ -101,6 +104,7 @@ class StrategyCost:
     # (pp_dp's group_s is per FSDP group of its largest stage, per slot)
     byte_s: float = 0.0
     reference_bytes: int = 0
+    buffers_s: float = 0.0  # a model with buffers: DDP broadcasts them at every forward (a synchronisation)
 
     @classmethod
     def fit(cls, extra_s: dict[str, float], *, grouped: bool) -> StrategyCost:
@@ -114,19 +118,22 @@ class StrategyCost:
             rest = extra_s["thin"] - extra_s["reference"] - per_tensor * (t_thin - t_ref)
             per_group = max(0.0, rest / (g_thin - g_ref))
         per_byte = max(0.0, (extra_s["heavy"] - extra_s["reference"]) / (b_heavy - b_ref))
+        buffers = 0.0  # DDP's broadcast of buffers at every forward; FSDP2 syncs none
+        if not grouped and "buffered" in extra_s:
+            buffers = max(0.0, extra_s["buffered"] - extra_s["reference"])
         return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref,
-                   byte_s=per_byte, reference_bytes=b_ref)  # fmt: skip
+                   byte_s=per_byte, reference_bytes=b_ref, buffers_s=buffers)  # fmt: skip
 
-    def seconds(self, groups: int, tensors: int, param_bytes: float = 0.0) -> float:
+    def seconds(self, groups: int, tensors: int, param_bytes: float = 0.0, buffers: bool = False) -> float:
         """What the strategy adds to the step of a model with ``groups`` FSDP groups, ``tensors``
-        parameter tensors and ``param_bytes`` bytes of parameters as communicated (never less than the
-        fixed cost)."""
+        parameter tensors and ``param_bytes`` bytes of parameters as communicated, and ``buffers`` or not
+        (never less than the fixed cost)."""
         more = (
             self.group_s * (groups - self.reference_groups)
             + self.tensor_s * (tensors - self.reference_tensors)
             + self.byte_s * (param_bytes - self.reference_bytes)
         )
-        return self.fixed_s + max(0.0, more)
+        return self.fixed_s + max(0.0, more) + (self.buffers_s if buffers else 0.0)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -227,7 +234,7 @@ def load_cluster(path: str) -> dict[str, Any]:
     need = ("busbw_gbps", "latency_s", "strategy_costs")
     if not isinstance(data, dict) or any(k not in data for k in need):
         raise ValueError(f"--cluster {path}: no measured_cluster with {', '.join(need)} in it; {fix}")
-    known = {f.name for f in fields(StrategyCost)}  # a file from an older version may hold more
+    known = {f.name for f in fields(StrategyCost)}  # a file from another version may hold more
     try:
         costs = {name: StrategyCost(**{k: v for k, v in c.items() if k in known})
                  for name, c in data["strategy_costs"].items()}  # fmt: skip
