@@ -35,8 +35,9 @@ class StepTime:
     Compute is ``ops x seconds_per_op + FLOPs x seconds_per_flop``: both rates come from timing the
     block at the micro-batch and at a smaller batch (the pipeline's micro-batch, or half; twice the
     micro-batch for a batch of one): the FLOPs change, the number of ops does not. The rates reproduce the
-    time at the micro-batch. The model's ops and FLOPs are counted on the meta device. AdamW is ``tensors x seconds_per_tensor +
-    elements x seconds_per_element``, from timing it on the block's parameters and on many tiny tensors.
+    time at the micro-batch. The model's ops and FLOPs are counted on the meta device. AdamW is ``tensors
+    x seconds_per_tensor + elements x seconds_per_element``, from timing it on the block's parameters and
+    on many tiny tensors.
     """
 
     block_s: float
