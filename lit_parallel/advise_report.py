@@ -51,6 +51,12 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     buffers: bool = False  # the model has buffers (DDP broadcasts them every step)
     stage_work: list[Any] | None = None  # pp_dp: each stage's share of the ops and FLOPs (pipeline_time.py)
+    tp_pairs: int = (
+        0  # tp_dp: row-wise layers in its automatic plan (each an all-reduce in forward and backward)
+    )
+    tp_split: float = (
+        1.0  # tp_dp: the share of the compute its plan splits (of the parameters beside embeddings)
+    )
 
     def step_s(self, strategy: str) -> dict[str, float | None]:
         """Seconds of one step: compute + optimizer (divided where sharded) + communication + Lightning's
@@ -65,7 +71,7 @@ class Prediction:
         if self.timing is None:
             return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
         r = self.report
-        tp = r.devices if strategy == "tp_dp" else 1
+        tp = r.devices / (self.tp_split + r.devices * (1 - self.tp_split)) if strategy == "tp_dp" else 1
         shard = (
             1
             if strategy in ("one_process", "ddp_tuned")
@@ -81,11 +87,14 @@ class Prediction:
     def _comm_s(self, strategy: str) -> float:
         r = self.report
         grad = 4 if r.precision in ("32-true",) else 2
-        cost = self.costs.get(_COST_OF.get(strategy, strategy)) if self.costs else None
+        own_cost = self.costs is not None and strategy in self.costs
+        cost = (
+            self.costs.get(strategy if own_cost else _COST_OF.get(strategy, strategy)) if self.costs else None
+        )
         if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
             return comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
                                 busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups)  # fmt: skip
-        if strategy in _COST_OF:  # priced with another strategy's cost: its own bytes at the bus bandwidth
+        if not own_cost:  # priced with another strategy's cost: its own bytes at the bus bandwidth
             sent = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
                                 busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups)  # fmt: skip
             calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
@@ -96,7 +105,7 @@ class Prediction:
         calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
         more_calls = max(0, calls - 1) if strategy == "ddp_tuned" else 0
         return more_calls * self.latency_s + cost.seconds(
-            self.groups, self.timing.tensors, r.shape.params * grad, buffers=self.buffers
+            self.groups, self.timing.tensors, r.shape.params * grad, buffers=self.buffers, pairs=self.tp_pairs
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -138,6 +147,30 @@ def meta_model(path: str, kwargs: dict[str, Any]) -> tuple[str, nn.Module, list[
     names = [n for n, _ in plan.blocks]
     largest = max(names, key=lambda n: sum(p.numel() for p in module.get_submodule(n).parameters()))
     return getattr(factory, "__name__", path), module, names, largest
+
+
+def _tp_plan_figures(module: nn.Module, tp: int, report: PeakReport) -> tuple[int, float]:
+    """Of ``tp_dp``'s automatic plan for ``module`` at ``tp``: its row-wise layers (each pairs with the
+    column-wise layers that feed it: one all-reduce in forward, one in backward) and the share of the
+    parameters outside embeddings that it splits (what tensor parallelism divides of the compute). A model
+    the plan cannot split loses its ``tp_dp`` row, with a note saying why."""
+    from lit_parallel.parallel.tp_infer import infer_tp_plan
+    from lit_parallel.parallel.tp_plan import TPPlanError
+
+    try:
+        plan = infer_tp_plan(module, tp_size=tp)
+    except (TPPlanError, RuntimeError, ValueError) as err:
+        for peaks in (report.peaks, report.peaks_checkpointed):
+            peaks.pop("tp_dp", None)
+        report.notes.append(f"tp_dp: no tensor-parallel plan for {tp} ranks: {str(err).splitlines()[0]}")
+        return 0, 0.0
+    split = sum(p.numel() for layer in plan.split for p in module.get_submodule(layer.path).parameters())
+    dense = sum(
+        p.numel() for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(False)
+    )
+    return sum(1 for layer in plan.split if layer.style == "rowwise"), min(
+        1.0, split / dense
+    ) if dense else 0.0
 
 
 def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str | None | bool:
@@ -183,6 +216,8 @@ def predict(
         costs=costs,
         buffers=any(True for _ in module.buffers()),
     )
+    if "tp_dp" in report.peaks and devices > 1:
+        pred.tp_pairs, pred.tp_split = _tp_plan_figures(module, devices, report)
     if report.pipeline is not None:
         from lit_parallel.parallel.peak_pipeline import _micro_batch_args
         from lit_parallel.parallel.pipeline_time import pipeline_stage_work
@@ -268,7 +303,7 @@ def error_rows(
 def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[list[dict], dict[str, Any]]:
     """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction.
     Returns the rows and what the launch measured of the cluster (bus bandwidth, latency, strategy costs)."""
-    from lit_parallel.advise_verify import launch, peak_from, real_inputs, vocabulary
+    from lit_parallel.advise_verify import hybrid_layout, launch, peak_from, real_inputs, vocabulary
     from lit_parallel.parallel.example_inputs import meta_example_input
     from lit_parallel.parallel.model_summary import load_model_class
 
@@ -309,6 +344,12 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
             multi.costs["pp_dp"] = fit_pipeline_cost(one_cal, res["calibration"]["pp_dp"], n)
         cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
                    "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
+        # hsdp runs as two replicas (hybrid_layout): predicted as that many nodes of shard ranks each
+        shard, replicas = hybrid_layout(n)
+        hybrid = predict(path, kwargs, precision="32-true", devices=shard, nodes=replicas, batch_size=args.batch_size,
+                         seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
+                         latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
+        hybrid.overhead_s, hybrid.costs = multi.overhead_s, multi.costs
         for strategy, got in res.items():
             if strategy in ("busbw_gbps", "latency_s", "calibration", "alone"):
                 continue
@@ -317,10 +358,13 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                 continue
             if strategy not in multi.report.peaks:  # pp_dp on a model it does not predict: the notes say why
                 continue
+            pred = hybrid if strategy == "hsdp" else multi
+            label = f"hsdp {replicas}x{shard}" if strategy == "hsdp" else f"{strategy} x{n}"
             measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
-            timed = replace(multi, timing=StepTime(**got["timing"]) if got.get("timing") else None)
-            rows += error_rows(f"{strategy} x{n}", multi.report.peaks[strategy], measured,
-                               timed.step_s(strategy), got["step_s"])  # fmt: skip
+            timed = replace(pred, timing=StepTime(**got["timing"]) if got.get("timing") else None)
+            rows += error_rows(
+                label, pred.report.peaks[strategy], measured, timed.step_s(strategy), got["step_s"]
+            )
     return rows, cluster
 
 

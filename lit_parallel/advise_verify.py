@@ -4,7 +4,8 @@ One process: a real ``lightning.Trainer`` (CPU, 32-true) trains the model for a 
 predicted input; :class:`~lit_parallel.parallel.live_memory.LiveMemory` measures the second step's peak
 by category (torch keeps no allocator statistics for CPU memory, so live tensor storages are counted),
 and the lower quartile of the following steps is the step time. A real launch (``--verify-ranks N``, default
-2) does the same in every rank under ``ddp_tuned``, ZeRO-2 and ``fsdp_blocks`` (one launch), and
+2) does the same in every rank under ``ddp_tuned``, ZeRO-2, ``fsdp_blocks``, ``hsdp`` (two replicas,
+:func:`hybrid_layout`), ``tp_dp`` (tensor parallel over every rank) and ``pp_dp`` (one launch), and
 measures the all-reduce bus bandwidth there for the communication term.
 """
 
@@ -24,7 +25,7 @@ from torch import nn
 from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
 from lit_parallel.parallel.step_time import typical_seconds
 
-LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "pp_dp")
+LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
 CALIBRATION_REPEATS = 24  # calibration steps: the costs are differences of them, noisier than either
 STEP_REPEATS = 12  # measured steps after the warm-up (their lower quartile is the step time)
 ROUNDS = 3  # the launch measures everything this many times, interleaved; figures are medians over them
@@ -158,7 +159,7 @@ def calibrate(
 ) -> dict[str, float]:
     """Median step seconds of each :mod:`~lit_parallel.parallel.calibration` shape under ``strategy`` (a
     :data:`LAUNCH_STRATEGIES` name; ``None``: one process)."""
-    from lit_parallel.parallel.calibration import SHAPES, calibration_input, calibration_model
+    from lit_parallel.parallel.calibration import calibration_input, calibration_model, shapes_of
 
     out = {}
     if strategy == "pp_dp":  # its cost is per pipeline slot and per group of a stage
@@ -171,14 +172,14 @@ def calibrate(
                 calibration_model(name), calibration_input(), devices=devices, repeats=repeats
             )
         return out
-    for name in SHAPES:
+    for name in shapes_of(strategy):
         torch.manual_seed(0)
         _, out[name] = measure_step(
             calibration_model(name),
             calibration_input(),
             devices=devices,
             repeats=repeats,
-            strategy="auto" if strategy is None else strategy_object(strategy),
+            strategy="auto" if strategy is None else strategy_object(strategy, devices),
         )
     return out
 
@@ -189,14 +190,26 @@ def lightning_overhead(repeats: int = 10) -> float:
     return step_s
 
 
-def strategy_object(name: str):
-    """The lit_parallel strategy a launch verifies (ZeRO-2 is fsdp_blocks without resharding)."""
+def hybrid_layout(ranks: int) -> tuple[int, int]:
+    """``(shard, replicas)`` of the ``hsdp`` a launch of ``ranks`` verifies: two replicas (each a pretend
+    node of ``ranks / 2``), so that both of HSDP's collectives run; one replica per rank for an odd count."""
+    shard = ranks // 2 if ranks % 2 == 0 else 1
+    return shard, ranks // shard
+
+
+def strategy_object(name: str, ranks: int = 2):
+    """The lit_parallel strategy a launch of ``ranks`` verifies: ZeRO-2 is fsdp_blocks without resharding,
+    ``hsdp`` shards over :func:`hybrid_layout`'s ranks, ``tp_dp`` is tensor parallel over every rank."""
     import lit_parallel as lp
 
     if name == "zero2":
         return lp.TransformerFSDPStrategy(reshard_after_forward=False)
     if name == "fsdp_blocks":
         return lp.TransformerFSDPStrategy()
+    if name == "hsdp":
+        return lp.HybridShardStrategy(shard_size=hybrid_layout(ranks)[0])
+    if name == "tp_dp":
+        return lp.TensorParallelStrategy(tensor_parallel_size=ranks, data_parallel_size=1)
     return lp.TunedDDPStrategy()
 
 
@@ -315,7 +328,7 @@ def _measure_strategy(
 
     model, inputs = _model_and_inputs(factory, kwargs, args)
     try:
-        peak, step_s = measure_step(model, inputs, strategy=strategy_object(name), devices=args.devices,
+        peak, step_s = measure_step(model, inputs, strategy=strategy_object(name, args.devices), devices=args.devices,
                                     repeats=args.repeats, between=timer.sample if timer else None)  # fmt: skip
     except Exception as err:  # a strategy this model cannot run: reported, the others still measured
         parts_timing(timer)  # what it sampled before failing belongs to no row
@@ -449,13 +462,14 @@ def launch(
     model: str, model_kwargs: str | None, *, ranks: int, batch_size: int | None, seq_len: int | None,
     grad_bytes: int, repeats: int = STEP_REPEATS, timeout: float = 900,
     input_shape: tuple[int, ...] | None = None, calibration_repeats: int = CALIBRATION_REPEATS,
-    timing_unit: str | None = None, rounds: int = ROUNDS,
+    timing_unit: str | None = None, rounds: int = ROUNDS, strategies: tuple[str, ...] = LAUNCH_STRATEGIES,
 ) -> dict[str, Any]:  # fmt: skip
-    """Start ``ranks`` processes (torchrun) that measure :data:`LAUNCH_STRATEGIES`; rank 0's results."""
+    """Start ``ranks`` processes (torchrun) that measure ``strategies`` (:data:`LAUNCH_STRATEGIES`, in that
+    order); rank 0's results."""
     from lit_parallel.launch import run_ranks
 
     argv = [f"--model={model}", f"--devices={ranks}", f"--repeats={repeats}", f"--grad-bytes={grad_bytes}"]
-    argv.append(f"--strategies={','.join(LAUNCH_STRATEGIES)}")
+    argv.append(f"--strategies={','.join(strategies)}")
     argv.append(f"--calibration-repeats={calibration_repeats}")
     argv.append(f"--rounds={rounds}")
     if timing_unit is not None:  # "": the whole model

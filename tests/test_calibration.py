@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from lit_parallel.parallel.calibration import SHAPES, CalibrationNet, StrategyCost, counts, fit_costs
+from lit_parallel.parallel.calibration import (
+    SHAPES,
+    CalibrationNet,
+    StrategyCost,
+    calibration_model,
+    counts,
+    fit_costs,
+    shapes_of,
+    tp_pairs,
+)
 
 
 def test_the_calibration_shapes_have_the_groups_and_tensors_the_fit_assumes():
@@ -44,6 +53,44 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     assert d.seconds(13, 100, 1_000_240) == pytest.approx(3e-3 + 4.7e-3 + 1e-3)
     assert d.buffers_s == pytest.approx(0.7e-3) and f.buffers_s == 0.0  # FSDP's difference is noise to it
     assert d.seconds(13, 100, 1_000_240, buffers=True) == pytest.approx(3e-3 + 4.7e-3 + 1e-3 + 0.7e-3)
+
+
+def test_the_tensor_parallel_pairs_of_each_shape_are_what_the_automatic_plan_makes():
+    from lit_parallel.parallel.tp_infer import infer_tp_plan
+
+    for name in SHAPES:
+        plan = infer_tp_plan(calibration_model(name), tp_size=2)
+        rowwise = [layer.path for layer in plan.split if layer.style == "rowwise"]
+        assert len(rowwise) == tp_pairs(name), (name, plan.describe())
+    # by hand: a block of one Linear has no row-wise partner; paired and wide split their first two Linears
+    assert [tp_pairs(n) for n in ("reference", "thin", "paired", "wide", "heavy")] == [0, 0, 6, 6, 0]
+    # only tp_dp (and one process, the baseline) runs the paired shape
+    assert "paired" in shapes_of(None) and "paired" in shapes_of("tp_dp")
+    assert all("paired" not in shapes_of(s) for s in ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp"))
+
+
+def test_tp_dp_cost_per_pair_is_recovered_from_seconds_made_up_from_known_costs():
+    # tp_dp costing 5 ms per step, 1 ms per FSDP group, 30 us per parameter tensor, 2 ms per tensor-parallel
+    # pair and 1 ms per MB: thin 4 more groups and 8 more tensors than reference, paired thin's groups with
+    # 20 more tensors and 6 pairs, wide 140 more tensors and the same 6 pairs
+    fixed, group, tensor, pair, per_byte = 5e-3, 1e-3, 30e-6, 2e-3, 1e-9
+    heavy_bytes = counts("heavy")[2] - counts("reference")[2]
+    one = {n: 1e-3 * (i + 1) for i, n in enumerate(SHAPES)}
+    extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor,
+             "paired": fixed + 4 * group + 20 * tensor + 6 * pair,
+             "wide": fixed + 4 * group + 140 * tensor + 6 * pair,
+             "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed}  # fmt: skip
+    cost = fit_costs(one, {"tp_dp": {k: one[k] + extra[k] for k in one}})["tp_dp"]
+    assert (cost.fixed_s, cost.group_s, cost.tensor_s, cost.pair_s, cost.byte_s) == pytest.approx(
+        (fixed, group, tensor, pair, per_byte)
+    )
+    # a model of 5 groups, 30 tensors, 1,000,240 bytes and 4 pairs: 5 + 2 x 1 + 24 x 0.03 + 1 + 4 x 2 ms
+    assert cost.seconds(5, 30, 1_000_240, pairs=4) == pytest.approx((5 + 2 + 0.72 + 1 + 8) * 1e-3)
+    # the other strategies never see a pair: FSDP's fit of the same seconds, without paired, has pair_s 0
+    fsdp = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one if k != "paired"}})[
+        "fsdp_blocks"
+    ]
+    assert fsdp.pair_s == 0.0
 
 
 def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_the_fixed_cost():
@@ -97,6 +144,36 @@ def test_the_predicted_step_adds_the_measured_strategy_cost():
     pred.buffers = True
     assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(ddp_comm + 3e-4)
     assert pred.step_s("fsdp_blocks")["comm_s"] == pytest.approx(comm)
+
+
+def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_per_pair():
+    from dataclasses import replace
+
+    from lit_parallel.advise_report import predict
+    from lit_parallel.parallel.step_time import StepTime
+
+    # mlp (Linear 16->32, 32->32, 32->32, 32->4, Tanh between): the automatic plan splits them as two
+    # column-wise / row-wise pairs at tp 2, every Linear split (the plan is checked in tests/test_tp_infer.py)
+    pred = predict("tests.conformance_models:mlp", {}, precision="32-true", devices=2, nodes=1, batch_size=4,
+                   seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=1e-4,
+                   input_shape=(16,))  # fmt: skip
+    assert pred.tp_pairs == 2 and pred.tp_split == 1.0
+    params, tensors = 16 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 4 + 4, 8
+    costs = {"tp_dp": StrategyCost(fixed_s=5e-3, group_s=1e-3, tensor_s=3e-5, reference_groups=3,
+                                   reference_tensors=6, byte_s=1e-9, reference_bytes=240, pair_s=2e-3)}  # fmt: skip
+    timing = StepTime(block_s=0.0, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
+                      optimizer_element_s=0.0, tensors=tensors, elements=params, block_description="x")  # fmt: skip
+    got = replace(pred, timing=timing, costs=costs).step_s("tp_dp")
+    # compute 100 x 10 us, all of it split: halved; FSDP groups: the three Linears block discovery takes as
+    # mlp's blocks (0, 2, 4) and the root, one beyond the reference's 3; 2 tensors and 4 x params - 240
+    # bytes beyond it; 2 pairs x 2 ms
+    assert pred.groups == 4 and got["compute_s"] == pytest.approx(0.5e-3)
+    more = 1e-3 + (tensors - 6) * 3e-5 + (4 * params - 240) * 1e-9
+    assert got["comm_s"] == pytest.approx(5e-3 + more + 2 * 2e-3)
+    # a model the plan splits half of: the compute is 3/4 of one process's
+    assert replace(pred, timing=timing, costs=costs, tp_split=0.5).step_s("tp_dp")[
+        "compute_s"
+    ] == pytest.approx(0.75e-3)
 
 
 def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypatch, capsys):

@@ -5,7 +5,7 @@ Run from the repository root (about 15 minutes on 2 CPU cores):
     PYTHONPATH=.:recipes python docs/hooks/advise_accuracy.py
 
 Each model is predicted, then measured in one process and in one launch of 2 ranks (ddp_tuned, ZeRO-2,
-fsdp_blocks); the page lists predicted vs measured peak memory per rank and step time.
+fsdp_blocks, hsdp, tp_dp, pp_dp); the page lists predicted vs measured peak memory per rank and step time.
 """
 
 from __future__ import annotations
@@ -92,6 +92,15 @@ NOTES = """
   is a difference of two steps (its calibration shape in one process and under the strategy), each of
   which moves by 1-2 ms between runs under FSDP2, and whole launches of `bert` measured its ZeRO-2 step
   at 28 ms in one run and 43 ms in the next.
+- **`hsdp` and `tp_dp`.** `hsdp` runs as 2 replicas of 1 rank (each rank a pretend node: both of its
+  collectives run) and is predicted for 2 nodes of 1 device; with one rank per shard FSDP2 gathers no
+  block, so its peak is DDP-like plus the root's copy. `tp_dp` runs the automatic plan over both ranks:
+  its compute is the one-process compute with the share of parameters the plan splits divided by 2, and
+  its cost is measured like the others' plus a cost per tensor-parallel pair (a row-wise layer and the
+  column-wise ones feeding it: an all-reduce in forward and one in backward, DTensor work around both),
+  from the `paired` calibration shape. Its memory is the rough part: model state with every parameter
+  inside blocks split, activations inside blocks halved. Models no plan can split (the recipes' GPT
+  reshapes by the full width) are refused with the reason.
 - **Where the step time misses.** {misses}
 - **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
   `ResidualSequentialNet`: the pipeline's own buffers are counted once (the batch on every rank, torch's
@@ -161,7 +170,8 @@ def main() -> int:
         " docs/hooks/advise_accuracy.py`). Each model is predicted by `lit-parallel advise --model ...",
         "--precision 32-true --verify`, then measured on this machine: one process, and one launch of 2 CPU",
         "ranks (gloo) running `ddp_tuned`, ZeRO-2 (`fsdp_blocks` with `reshard_after_forward=False`),",
-        "`fsdp_blocks` and `pp_dp` (2 stages). Memory is the per-rank peak of one training step (AdamW; the",
+        "`fsdp_blocks`, `hsdp` (2 replicas of 1 rank), `tp_dp` (tensor parallel over both ranks) and `pp_dp`",
+        "(2 stages). Memory is the per-rank peak of one training step (AdamW; the",
         "largest rank); step time is the lower quartile of 12 steps after 4 warm-up steps, the median of 3 rounds,",
         "and the prediction's parts are timed between those steps (see Noise, below).",
         "",
