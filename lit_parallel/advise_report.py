@@ -149,21 +149,26 @@ def meta_model(path: str, kwargs: dict[str, Any]) -> tuple[str, nn.Module, list[
     return getattr(factory, "__name__", path), module, names, largest
 
 
-def _tp_plan_figures(module: nn.Module, tp: int, report: PeakReport) -> tuple[int, float]:
-    """Of ``tp_dp``'s automatic plan for ``module`` at ``tp``: its row-wise layers (each pairs with the
-    column-wise layers that feed it: one all-reduce in forward, one in backward) and the share of the
-    parameters outside embeddings that it splits (what tensor parallelism divides of the compute). A model
-    the plan cannot split loses its ``tp_dp`` row, with a note saying why."""
+def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, Any] | None, str]:
+    """``tp_dp``'s automatic plan for ``module`` (on meta) over ``tp`` ranks, with the copy of ``module`` it
+    was inferred on (converted as tensor parallelism converts it: torch's ``nn.MultiheadAttention`` split
+    into its projections; ``module`` is left as it is); or ``(None, why not)``."""
+    import copy
+
     from lit_parallel.parallel.tp_infer import infer_tp_plan
     from lit_parallel.parallel.tp_plan import TPPlanError
 
+    work = copy.deepcopy(module)
     try:
-        plan = infer_tp_plan(module, tp_size=tp)
+        return (work, infer_tp_plan(work, tp_size=tp)), ""
     except (TPPlanError, RuntimeError, ValueError) as err:
-        for peaks in (report.peaks, report.peaks_checkpointed):
-            peaks.pop("tp_dp", None)
-        report.notes.append(f"tp_dp: no tensor-parallel plan for {tp} ranks: {str(err).splitlines()[0]}")
-        return 0, 0.0
+        return None, f"tp_dp: no tensor-parallel plan for {tp} ranks: {str(err).splitlines()[0]}"
+
+
+def _tp_plan_figures(module: nn.Module, plan: Any) -> tuple[int, float]:
+    """Of ``tp_dp``'s plan for ``module``: its row-wise layers (each pairs with the column-wise layers that
+    feed it: one all-reduce in forward, one in backward) and the share of the parameters outside embeddings
+    that it splits (what tensor parallelism divides of the compute)."""
     split = sum(p.numel() for layer in plan.split for p in module.get_submodule(layer.path).parameters())
     dense = sum(
         p.numel() for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(False)
@@ -204,9 +209,10 @@ def predict(
     here; ``costs``: what each strategy adds per step on the cluster (``advise --cluster``)."""
     name, module, names, largest = meta_model(path, kwargs)
     given = shaped_input(input_shape)
+    tp, why = tp_plan(module, devices) if devices > 1 else (None, "")
     report = predict_peaks(module, precision=precision, devices=devices, nodes=nodes, batch_size=batch_size,
                            seq_len=seq_len, block_names=names, device_type=device_type,
-                           example_inputs=given(batch_size or 1) if given else None)  # fmt: skip
+                           example_inputs=given(batch_size or 1) if given else None, tp_plan=tp)  # fmt: skip
     pred = Prediction(
         name,
         report,
@@ -216,8 +222,12 @@ def predict(
         costs=costs,
         buffers=any(True for _ in module.buffers()),
     )
-    if "tp_dp" in report.peaks and devices > 1:
-        pred.tp_pairs, pred.tp_split = _tp_plan_figures(module, devices, report)
+    if why:  # no plan splits this model over `devices` ranks: no tp_dp row, and why
+        for peaks in (report.peaks, report.peaks_checkpointed):
+            peaks.pop("tp_dp", None)
+        report.notes.append(why)
+    elif tp is not None:
+        pred.tp_pairs, pred.tp_split = _tp_plan_figures(*tp)
     if report.pipeline is not None:
         from lit_parallel.parallel.peak_pipeline import _micro_batch_args
         from lit_parallel.parallel.pipeline_time import pipeline_stage_work

@@ -153,7 +153,7 @@ def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_pe
     from lit_parallel.parallel.step_time import StepTime
 
     # mlp (Linear 16->32, 32->32, 32->32, 32->4, Tanh between): the automatic plan splits them as two
-    # column-wise / row-wise pairs at tp 2, every Linear split (the plan is checked in tests/test_tp_infer.py)
+    # column-wise / row-wise pairs at tp 2, every Linear split
     pred = predict("tests.conformance_models:mlp", {}, precision="32-true", devices=2, nodes=1, batch_size=4,
                    seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=1e-4,
                    input_shape=(16,))  # fmt: skip

@@ -1,17 +1,18 @@
 """`lit-parallel lab memory`: per-rank memory of each strategy as the model grows, next to the planner.
 
 A stack of residual MLP blocks (``BlockMLP``) of growing width trains for a few steps under
-``ddp_tuned``, ZeRO-2 (``fsdp_blocks`` with ``reshard_after_forward=False``), ``fsdp_blocks`` and
-``tp_dp`` and ``pp_dp`` (two pipeline stages, 1F1B, 8 micro-batches) on two CPU ranks (one launch for
-everything); every rank's peak is measured by live-storage accounting
-(:class:`~lit_parallel.parallel.live_memory.LiveMemory`) and printed next to what ``lit-parallel advise``
-predicts for the same model (for ``pp_dp``: its largest stage). HSDP on one node is ``fsdp_blocks``
-(nothing to replicate across), so it is not run separately.
+``ddp_tuned``, ZeRO-2 (``fsdp_blocks`` with ``reshard_after_forward=False``), ``fsdp_blocks``, ``hsdp``
+(two replicas of one rank, as ``advise --verify`` runs it), ``tp_dp`` and ``pp_dp`` (two pipeline stages,
+1F1B, 8 micro-batches) on two CPU ranks (one launch for everything); every rank's peak is measured by
+live-storage accounting (:class:`~lit_parallel.parallel.live_memory.LiveMemory`) and printed next to what
+``lit-parallel advise`` predicts for the same model (for ``pp_dp``: its largest stage; for ``hsdp``: two
+nodes of one device).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from torch import nn
 from lit_parallel.lab.common import figure, launch, run_worker, save, write_csv
 from lit_parallel.parallel.live_memory import CATEGORIES
 
-STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "tp_dp", "pp_dp")
+STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
 BATCH = 16
 WIDTHS = {True: (32, 128), False: (32, 64, 128, 256, 512)}  # --quick or not
 
@@ -55,19 +56,12 @@ class BlockMLP(nn.Module):
         return self.head(x)
 
 
-def _strategy(name: str):
-    import lit_parallel as lp
-    from lit_parallel.advise_verify import strategy_object
-
-    return lp.TensorParallelStrategy() if name == "tp_dp" else strategy_object(name)
-
-
 def compute(args: argparse.Namespace) -> dict[str, Any]:
     """In every rank: every width under every strategy; each peak is the largest rank's."""
     import torch.distributed as dist
 
     from lit_parallel.advise_pipeline import measure_pipeline_step
-    from lit_parallel.advise_verify import measure_step, peak_dict
+    from lit_parallel.advise_verify import measure_step, peak_dict, strategy_object
 
     rows: list[dict[str, Any]] = []
     for width in map(int, args.widths.split(",")):
@@ -78,7 +72,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
                 if name == "pp_dp":  # the pipeline needs the pp_dp contract around the model
                     peak, _ = measure_pipeline_step(model, x, devices=2, repeats=1)
                 else:
-                    peak, _ = measure_step(model, x, strategy=_strategy(name), devices=2, repeats=1)
+                    peak, _ = measure_step(model, x, strategy=strategy_object(name, 2), devices=2, repeats=1)
             except Exception as err:  # reported in the CSV, the others still measured
                 rows.append({"width": width, "strategy": name, "error": f"{type(err).__name__}: {err}"})
                 continue
@@ -100,13 +94,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@functools.lru_cache
 def predicted(width: int) -> dict[str, float]:
-    """``advise``'s per-rank peak of every strategy for ``BlockMLP(width)`` on 2 ranks (32-true, CPU)."""
+    """``advise``'s per-rank peak of every strategy for ``BlockMLP(width)`` on 2 ranks (32-true, CPU); hsdp as
+    2 nodes of 1 device (its two replicas of one rank)."""
     from lit_parallel.advise_report import predict
 
-    pred = predict("lit_parallel.lab.memory:BlockMLP", {"width": width}, precision="32-true", devices=2, nodes=1,
-                   batch_size=BATCH, seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
-    return {s: p.total for s, p in pred.report.peaks.items()}
+    kw = {"precision": "32-true", "batch_size": BATCH, "seq_len": None, "device_type": "cpu", "step_time": False,
+          "busbw_gbps": None}  # fmt: skip
+    path, kwargs = "lit_parallel.lab.memory:BlockMLP", {"width": width}
+    peaks = {s: p.total for s, p in predict(path, kwargs, devices=2, nodes=1, **kw).report.peaks.items()}
+    peaks["hsdp"] = predict(path, kwargs, devices=1, nodes=2, **kw).report.peaks["hsdp"].total
+    return peaks
 
 
 def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) -> list[Path]:

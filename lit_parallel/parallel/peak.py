@@ -44,14 +44,20 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
   parameters are ``params``; unsharded gradients and the reduce-scatter output (the sharded gradient)
   ``grads``; flat all-gather outputs (also a prefetched one), reduce-scatter inputs and gloo's copies
   ``temporaries``.
-* ``tp_dp``: activations and temporaries inside blocks divided by the tensor-parallel size, the gathered
-  block divided too.
+* ``tp_dp`` with its plan (``advise`` infers it): one tensor-parallel rank's model
+  (:mod:`lit_parallel.parallel.tp_local`: split layers with their per-rank shapes, head counts per rank)
+  simulated on meta, under FSDP2's moments over the data-parallel ranks (over one: no flat buffers, the
+  root's gathered copy); and each row-wise layer's forward all-reduce, with its block gathered (measured
+  so on DTensor parameters) and four copies of its output (the partial sum, the result, gloo's two
+  buffers).
+  Without a plan: activations and temporaries inside blocks divided by the tensor-parallel size.
 * ``pp_dp``: the largest pipeline stage, from one micro-batch simulated with its activations attributed
   to the blocks (:mod:`lit_parallel.parallel.peak_pipeline`, where its terms are written out).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +70,9 @@ from lit_parallel.parallel.precision import canonical_precision, precision_bytes
 from lit_parallel.parallel.step_simulation import StepSimulation, simulate_step
 
 STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
+# tp_dp: copies of a row-wise layer's output live at its forward all-reduce (the partial sum, the reduced
+# result, gloo's input and output buffers): 4 at the measured peaks of vit, mlp and BlockMLP
+TP_ALL_REDUCE_COPIES = 4
 LABELS = {
     "one_process": "one process (no DDP)",
     "ddp_tuned": "ddp_tuned",
@@ -241,6 +250,15 @@ def _fsdp_peak(
     strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
     gloo: bool,
 ) -> Peak:  # fmt: skip
+    """The largest of :func:`_fsdp_moments`."""
+    moments = _fsdp_moments(strategy, sim, shape, state, c=c, opt_bytes=opt_bytes, shard=shard, gloo=gloo)
+    return max(moments, key=lambda m: m.total)
+
+
+def _fsdp_moments(
+    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    gloo: bool,
+) -> list[Peak]:  # fmt: skip
     """FSDP2's moments (module docstring): each block's gather, inside and after it in forward, the loss,
     each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
     every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
@@ -254,7 +272,7 @@ def _fsdp_peak(
               keep=strategy == "zero2", shard=shard, gloo=gloo)  # fmt: skip
     moments = _fsdp_forward(f, sim) + _fsdp_backward(f, sim, shape, c)
     moments.append(Peak(strategy, f.p, f.g, f.o, 0.0, opt_bytes / shard, "optimizer step"))
-    return max(moments, key=lambda m: m.total)
+    return moments
 
 
 def _fsdp_forward(f: _Fsdp, sim: StepSimulation) -> list[Peak]:
@@ -331,6 +349,7 @@ def predict_peaks(
     example_inputs: Any = None,
     block_names: list[str] = (),  # type: ignore[assignment]
     device_type: str = "cuda",
+    tp_plan: Any = None,
 ) -> PeakReport:
     """Per-rank peak of one training step (AdamW) for every strategy, with and without checkpointing.
 
@@ -341,6 +360,10 @@ def predict_peaks(
         block_names: the transformer blocks' qualified names (as found by ``find_transformer_blocks``).
         device_type: where it will train: AdamW's default implementation is ``foreach`` on ``"cuda"`` and
             a for-loop on ``"cpu"``; their scratch memory differs.
+        tp_plan: ``(model, plan)``: ``tp_dp``'s plan for ``devices`` ranks
+            (:func:`~lit_parallel.parallel.tp_infer.infer_tp_plan`) and the copy of ``module`` it was inferred
+            on (converted for tensor parallelism); its row is then one rank's model (:func:`_tp_peaks`);
+            without it, a share of the one-process figures.
     """
     precision = canonical_precision(precision)
     c = precision_bytes(precision).compute
@@ -372,11 +395,94 @@ def predict_peaks(
         report.peaks_checkpointed[strategy] = _strategy_peak(
             strategy, sims.get((precision, True), sim), rows, shape, **args
         )
+    if tp_plan is not None:
+        report.peaks["tp_dp"], report.peaks_checkpointed["tp_dp"] = _tp_peaks(
+            *tp_plan, precision=precision, nodes=nodes, block_names=list(block_names), kw=kw,
+            opt_elem=opt_elem, device_type=device_type,
+        )  # fmt: skip
     from lit_parallel.parallel.peak_pipeline import add_pipeline_peaks
 
     add_pipeline_peaks(report, module, list(block_names), precision=precision, device_type=device_type,
                        seq_len=seq_len, example_inputs=example_inputs)  # fmt: skip
     return report
+
+
+def _tp_peaks(
+    module: nn.Module, plan: Any, *, precision: str, nodes: int, block_names: list[str], kw: dict, opt_elem: int,
+    device_type: str,
+) -> tuple[Peak, Peak]:  # fmt: skip
+    """``tp_dp`` without and with activation checkpointing: FSDP2 over the ``nodes`` data-parallel ranks
+    (:func:`_fsdp_moments`) of one tensor-parallel rank's model (:func:`~lit_parallel.parallel.tp_local.
+    tp_local_model`), its step simulated on meta (the activations split layers make are split, those they
+    read whole), and each row-wise layer's forward all-reduce (:func:`_row_outputs`): the block gathered,
+    what the step holds at that point, and TP_ALL_REDUCE_COPIES of the layer's output (its partial sum, the
+    reduced result, gloo's input and output buffers; gpt2 7, beside attention's). A row-wise layer outside
+    blocks counts the root gathered only."""
+    from lit_parallel.parallel.tp_local import tp_local_model
+
+    local = tp_local_model(module, plan)
+    shape = ModelShape.of(local, [local.get_submodule(n) for n in block_names])
+    rows = {r[0]: r for r in memory_rows(shape.params, devices=1, nodes=nodes, precision=precision,
+                                         trainable_params=shape.trainable)}  # fmt: skip
+    _, _, _, p, g, o = rows["FSDP/ZeRO-3"]
+    o += 4 * shape.param_tensors  # AdamW's step counters
+    opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
+    c = precision_bytes(precision).compute
+    args = {"c": c, "opt_bytes": opt_bytes, "shard": nodes, "gloo": device_type == "cpu"}
+    root = padded(shape.root_shapes, nodes) * c
+    out = []
+    for ac in (False, True) if block_names else (False,):
+        try:
+            with _row_outputs(local, plan, block_names) as at_rows:
+                sim = simulate_step(local, dtype=_compute_dtype(precision), block_names=block_names,
+                                    activation_checkpointing=ac, **kw)  # fmt: skip
+        except RuntimeError:  # a block that cannot be recomputed on meta: as _simulations, the row without
+            if not ac:
+                raise
+            break
+        moments = _fsdp_moments("tp_dp", sim, shape, (p, g, o), **args)
+        for path, (k, held, nbytes) in at_rows.items():
+            gathered = padded(shape.block_shapes[k], nodes) * c if k is not None else 0.0
+            moments.append(Peak("tp_dp", p + root + gathered, g, o, held, TP_ALL_REDUCE_COPIES * nbytes,
+                                "forward", f"{path} all-reduced"))  # fmt: skip
+        out.append(max(moments, key=lambda m: m.total))
+    return out[0], out[-1]
+
+
+@contextlib.contextmanager
+def _row_outputs(local: nn.Module, plan: Any, block_names: list[str]):
+    """While active, record each row-wise layer of ``plan`` in ``local`` as it runs in the step simulation
+    (forward hooks are copied with the module into the simulation's meta copy) in the dict it yields:
+    ``path -> (the index of the block it is in or None, the bytes the step holds then beyond the model
+    state, its output's bytes)``; the first call of each (a recomputation in backward is not forward)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from lit_parallel.parallel.live_memory import LiveMemory
+    from lit_parallel.parallel.tp_plan import ROWWISE
+
+    paths = [layer.path for layer in plan.split if layer.style == ROWWISE and layer.path in plan.styles]
+    seen: dict[str, tuple[int | None, float, int]] = {}
+
+    def hook(path: str, block: int | None):
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            tracker = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, LiveMemory)), None)
+            if path in seen or tracker is None or not isinstance(output, torch.Tensor):
+                return
+            state = ("params", "grads", "optimizer")
+            held = sum(tracker.sizes[a] for a in tracker.live.values() if tracker.kinds.get(a) not in state)
+            seen[path] = (block, float(held), output.numel() * output.element_size())
+
+        return record
+
+    def block_of(path: str) -> int | None:
+        return next((i for i, n in enumerate(block_names) if path == n or path.startswith(n + ".")), None)
+
+    handles = [local.get_submodule(p).register_forward_hook(hook(p, block_of(p))) for p in paths]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _simulations(
