@@ -51,12 +51,10 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     buffers: bool = False  # the model has buffers (DDP broadcasts them every step)
     stage_work: list[Any] | None = None  # pp_dp: each stage's share of the ops and FLOPs (pipeline_time.py)
-    tp_pairs: int = (
-        0  # tp_dp: row-wise layers in its automatic plan (each an all-reduce in forward and backward)
-    )
-    tp_split: float = (
-        1.0  # tp_dp: the share of the compute its plan splits (of the parameters beside embeddings)
-    )
+    # tp_dp: the row-wise layers of its automatic plan (each an all-reduce in forward and in backward), and
+    # the share of the compute the plan splits (of the parameters outside embeddings)
+    tp_pairs: int = 0
+    tp_split: float = 1.0
 
     def step_s(self, strategy: str) -> dict[str, float | None]:
         """Seconds of one step: compute + optimizer (divided where sharded) + communication + Lightning's
@@ -170,12 +168,9 @@ def _tp_plan_figures(module: nn.Module, plan: Any) -> tuple[int, float]:
     feed it: one all-reduce in forward, one in backward) and the share of the parameters outside embeddings
     that it splits (what tensor parallelism divides of the compute)."""
     split = sum(p.numel() for layer in plan.split for p in module.get_submodule(layer.path).parameters())
-    dense = sum(
-        p.numel() for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(False)
-    )
-    return sum(1 for layer in plan.split if layer.style == "rowwise"), min(
-        1.0, split / dense
-    ) if dense else 0.0
+    dense = [p for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(False)]
+    share = min(1.0, split / sum(p.numel() for p in dense)) if dense else 0.0
+    return sum(1 for layer in plan.split if layer.style == "rowwise"), share
 
 
 def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str | None | bool:

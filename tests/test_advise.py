@@ -528,7 +528,13 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     }
     for strategy in ("ddp_tuned", "zero2", "fsdp_blocks"):
         timing = res[strategy]["timing"]
-        assert timing["block_name"] is None and timing["block_s"] > 0 and timing["optimizer_element_s"] > 0
+        # AdamW timed: its split into a cost per tensor and per element is a fit that can put all on one
+        assert timing["block_name"] is None and timing["block_s"] > 0
+        assert (
+            timing["optimizer_tensor_s"] * timing["tensors"]
+            + timing["optimizer_element_s"] * timing["elements"]
+            > 0
+        )
     # hsdp ran as 2 replicas of 1 rank (hybrid_layout), predicted as 2 nodes of 1 device
     assert hybrid_layout(2) == (1, 2) and hybrid_layout(4) == (2, 2) and hybrid_layout(3) == (1, 3)
     hybrid = predict("tests.models:GPT", {}, precision="32-true", devices=1, nodes=2, batch_size=1,

@@ -93,14 +93,19 @@ NOTES = """
   which moves by 1-2 ms between runs under FSDP2, and whole launches of `bert` measured its ZeRO-2 step
   at 28 ms in one run and 43 ms in the next.
 - **`hsdp` and `tp_dp`.** `hsdp` runs as 2 replicas of 1 rank (each rank a pretend node: both of its
-  collectives run) and is predicted for 2 nodes of 1 device; with one rank per shard FSDP2 gathers no
-  block, so its peak is DDP-like plus the root's copy. `tp_dp` runs the automatic plan over both ranks:
-  its compute is the one-process compute with the share of parameters the plan splits divided by 2, and
-  its cost is measured like the others' plus a cost per tensor-parallel pair (a row-wise layer and the
-  column-wise ones feeding it: an all-reduce in forward and one in backward, DTensor work around both),
-  from the `paired` calibration shape. Its memory is the rough part: model state with every parameter
-  inside blocks split, activations inside blocks halved. Models no plan can split (the recipes' GPT
-  reshapes by the full width) are refused with the reason.
+  collectives run) and is predicted for 2 nodes of 1 device; with one rank per shard FSDP2 still gathers
+  each block into a copy but makes no flat buffers. `tp_dp` runs the automatic plan over both ranks. Its
+  memory comes from one rank's model simulated on the meta device (`lit_parallel/parallel/tp_local.py`:
+  split layers with their per-rank shapes, head counts per rank), so activations a split layer makes are
+  split and those it reads are whole, plus four copies of each row-wise layer's output at its forward
+  all-reduce. Its step time is the one-process compute with the share of parameters the plan splits
+  divided by 2, and a cost measured like the others' plus a cost per tensor-parallel pair (a row-wise
+  layer and the column-wise ones feeding it: an all-reduce in forward and one in backward, DTensor work
+  around both), from the `paired` calibration shape (6 blocks of one pair at width 4). That is the weak
+  part: measured on a width-4 shape, the pair's cost does not grow with the activations it moves, and
+  the compute share counts parameters, not the time of the ops that are not split (norms, residual adds,
+  the loss). Models no plan can split (the recipes' GPT reshapes by the full width) are refused with
+  the reason.
 - **Where the step time misses.** {misses}
 - **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and
   `ResidualSequentialNet`: the pipeline's own buffers are counted once (the batch on every rank, torch's

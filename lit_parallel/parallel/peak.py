@@ -419,9 +419,9 @@ def _tp_peaks(
     (:func:`_fsdp_moments`) of one tensor-parallel rank's model (:func:`~lit_parallel.parallel.tp_local.
     tp_local_model`), its step simulated on meta (the activations split layers make are split, those they
     read whole), and each row-wise layer's forward all-reduce (:func:`_row_outputs`): the block gathered,
-    what the step holds at that point, and TP_ALL_REDUCE_COPIES of the layer's output (its partial sum, the
-    reduced result, gloo's input and output buffers; gpt2 7, beside attention's). A row-wise layer outside
-    blocks counts the root gathered only."""
+    what the step holds at that point (activations and temporaries, counted as activations), and
+    TP_ALL_REDUCE_COPIES of the layer's output (its partial sum, the reduced result, gloo's input and output
+    buffers). A row-wise layer outside blocks counts the root gathered only."""
     from lit_parallel.parallel.tp_local import tp_local_model
 
     local = tp_local_model(module, plan)
