@@ -351,9 +351,10 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                    "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
         # hsdp runs as two replicas (hybrid_layout): predicted as that many nodes of shard ranks each
         shard, replicas = hybrid_layout(n)
-        hybrid = predict(path, kwargs, precision="32-true", devices=shard, nodes=replicas, batch_size=args.batch_size,
-                         seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
-                         latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
+        hybrid = predict(path, kwargs, precision="32-true", devices=shard, nodes=replicas,
+                         batch_size=args.batch_size, seq_len=args.seq_len, device_type="cpu", step_time=False,
+                         busbw_gbps=res["busbw_gbps"], latency_s=res["latency_s"],
+                         input_shape=args.input_shape)  # fmt: skip
         hybrid.overhead_s, hybrid.costs = multi.overhead_s, multi.costs
         for strategy, got in res.items():
             if strategy in ("busbw_gbps", "latency_s", "calibration", "alone"):

@@ -328,8 +328,9 @@ def _measure_strategy(
 
     model, inputs = _model_and_inputs(factory, kwargs, args)
     try:
-        peak, step_s = measure_step(model, inputs, strategy=strategy_object(name, args.devices), devices=args.devices,
-                                    repeats=args.repeats, between=timer.sample if timer else None)  # fmt: skip
+        peak, step_s = measure_step(model, inputs, strategy=strategy_object(name, args.devices),
+                                    devices=args.devices, repeats=args.repeats,
+                                    between=timer.sample if timer else None)  # fmt: skip
     except Exception as err:  # a strategy this model cannot run: reported, the others still measured
         parts_timing(timer)  # what it sampled before failing belongs to no row
         return {"error": f"{type(err).__name__}: {err}"}

@@ -26,12 +26,12 @@ byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` gro
 tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
 240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step:
 every collective, copy and hook the strategy runs, bytes included. DDP has no groups: its per-group cost
-is 0. ``tp_dp`` pays per tensor-parallel pair as well (a row-wise layer of its plan, with the column-wise
-layers that feed it): ``per tensor = (wide - paired) / 120`` (the same pairs) and ``per pair = (paired - thin
-- 12 x per tensor) / 6``. ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and ``heavy`` shapes: what it adds, divided by
-that run's pipeline slots (micro-batches + stages - 1), is a cost per slot, per FSDP group, per parameter
-tensor and per parameter byte of the largest stage, per slot (:func:`fit_pipeline_cost`); its stage
-boundary transfers are priced by the measured bus bandwidth.
+is 0. ``tp_dp`` pays per tensor-parallel pair as well (a row-wise layer of its plan, with the
+column-wise layers that feed it): ``per tensor = (wide - paired) / 120`` (the same pairs) and ``per pair =
+(paired - thin - 12 x per tensor) / 6``. ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and
+``heavy`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a
+cost per slot, per FSDP group, per parameter tensor and per parameter byte of the largest stage, per slot
+(:func:`fit_pipeline_cost`); its stage boundary transfers are priced by the measured bus bandwidth.
 """
 
 from __future__ import annotations

@@ -298,8 +298,9 @@ def _fsdp_forward(f: _Fsdp, sim: StepSimulation) -> list[Peak]:
     # the loss: the root's forward is the LightningModule's training_step (a registered FSDP forward
     # method), so the last group's flat output lives until the loss is computed
     fw = sim.forward_peak.by_category
+    last = blocks[-1] if blocks else root
     moments.append(Peak(s, p + root + (sum(blocks) if f.keep else 0.0), g, o, fw["activations"],
-                        fw["temporaries"] + f.flat * (blocks[-1] if blocks else root), "forward", "loss"))  # fmt: skip
+                        fw["temporaries"] + f.flat * last, "forward", "loss"))  # fmt: skip
     return moments
 
 
