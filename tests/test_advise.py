@@ -372,6 +372,24 @@ from lit_parallel.parallel.live_memory import LiveMemory  # noqa: E402
 from lit_parallel.parallel.peak import predict_peaks  # noqa: E402
 
 
+def test_live_memory_innermost_is_the_tracker_a_hook_runs_under_and_holds_what_is_not_state():
+    from lit_parallel.parallel.live_memory import LiveMemory
+
+    layer = nn.Linear(4, 4)
+    assert LiveMemory.innermost() is None
+    with LiveMemory(layer) as outer:
+        assert LiveMemory.innermost() is outer
+        x = torch.ones(256)  # 1024 bytes made under the tracker; the layer's parameters are state
+        with LiveMemory() as inner:
+            assert LiveMemory.innermost() is inner
+        assert LiveMemory.innermost() is outer
+        assert outer.held_beyond_state() == 1024
+        y = layer(torch.zeros(2, 4))  # the input (32 bytes) and the output (32 bytes)
+        assert outer.held_beyond_state() == 1024 + 32 + 32
+    assert LiveMemory.innermost() is None
+    del x, y
+
+
 def test_live_memory_counts_each_storage_once_and_subtracts_it_when_freed():
     with LiveMemory() as live:
         a = torch.ones(1000)  # 4000 bytes

@@ -30,7 +30,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -76,6 +76,8 @@ class LiveMemory(TorchDispatchMode):
             meta-device simulations, whose storages never resize.
         meta: count meta tensors, by the bytes they would take (a simulation on the meta device).
     """
+
+    _active: ClassVar[list[LiveMemory]] = []  # trackers entered and not yet exited, innermost last
 
     def __init__(
         self,
@@ -159,6 +161,17 @@ class LiveMemory(TorchDispatchMode):
             del self.live[key]
             self.current -= self.sizes[alloc]
             self.refs.pop(alloc, None)
+
+    @classmethod
+    def innermost(cls) -> LiveMemory | None:
+        """The tracker entered last and not yet exited (``None`` outside every tracker): what a hook that
+        runs inside a tracked step reads the step's memory from."""
+        return cls._active[-1] if cls._active else None
+
+    def held_beyond_state(self) -> int:
+        """Bytes live now that are not (as far as known now) parameters, gradients or optimizer state."""
+        state = ("params", "grads", "optimizer")
+        return sum(self.sizes[a] for a in self.live.values() if self.kinds.get(a) not in state)
 
     def snapshot(self) -> MemoryPeak:
         """What is live now, split by category as far as the storages' roles are known now."""
@@ -272,9 +285,11 @@ class LiveMemory(TorchDispatchMode):
         self._handles.append(register_module_forward_hook(self._see_module))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
+        LiveMemory._active.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        LiveMemory._active.remove(self)
         super().__exit__(*exc)
         self._saved_hooks.__exit__(*exc)
         for h in self._handles:

@@ -460,8 +460,6 @@ def _row_outputs(local: nn.Module, plan: Any, block_names: list[str]):
     (forward hooks are copied with the module into the simulation's meta copy) in the dict it yields:
     ``path -> (the index of the block it is in or None, the bytes the step holds then beyond the model
     state, its output's bytes)``; the first call of each (a recomputation in backward is not forward)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     from lit_parallel.parallel.live_memory import LiveMemory
     from lit_parallel.parallel.tp_plan import ROWWISE
 
@@ -470,12 +468,10 @@ def _row_outputs(local: nn.Module, plan: Any, block_names: list[str]):
 
     def hook(path: str, block: int | None):
         def record(module: nn.Module, args: Any, output: Any) -> None:
-            tracker = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, LiveMemory)), None)
+            tracker = LiveMemory.innermost()
             if path in seen or tracker is None or not isinstance(output, torch.Tensor):
                 return
-            state = ("params", "grads", "optimizer")
-            held = sum(tracker.sizes[a] for a in tracker.live.values() if tracker.kinds.get(a) not in state)
-            seen[path] = (block, float(held), output.numel() * output.element_size())
+            seen[path] = (block, float(tracker.held_beyond_state()), output.numel() * output.element_size())
 
         return record
 
