@@ -304,26 +304,11 @@ def _gb(n: float | None) -> str:
     return "-" if n is None else format_bytes(n, decimal=True)
 
 
-def print_advice(a: Advice) -> None:
-    from rich.console import Console
+def _advice_table(a: Advice) -> Any:
+    """The memory table of :func:`print_advice`: one row per strategy, the recommendation in bold."""
     from rich.table import Table
 
-    console = Console()
-    what = f"{a.model.name}: " if a.model is not None else ""
-    b = a.bytes
-    console.print(
-        f"[bold]lit-parallel advise[/bold]: {what}{a.params:,} parameters on {a.nodes} node(s) x {a.devices}"
-        f" device(s) = {a.world_size} ranks; {format_bytes(a.memory_bytes, decimal=True)} per device ({a.memory_source});"
-        f" precision {a.precision}: {b.params} + {b.grads} + {b.optimizer} = {b.total} bytes per parameter"
-    )
-    if a.model is not None and a.model.block_description:
-        console.print(f"blocks: {a.model.block_description}")
     act = a.activations
-    if act is not None:
-        console.print(
-            f"activations: {format_bytes(act.total_bytes, decimal=True)} per rank for {act.input_description} (micro-batch"
-            f" {act.batch_size}; largest block {format_bytes(act.largest_block_bytes, decimal=True)}), traced on the meta device"
-        )
     table = Table(title="memory per rank (decimal units: GB = 1e9 bytes)")
     for col in ("strategy", "lit_parallel", "shards", "params", "grads", "optimizer", "model state"):
         table.add_column(col, justify="left" if col in ("strategy", "lit_parallel", "shards") else "right")
@@ -346,7 +331,29 @@ def print_advice(a: Advice) -> None:
         cells.append("[green]yes[/green]" if r.fits else "[red]no[/red]")
         style = "bold" if r.strategy == a.recommendation else None
         table.add_row(*cells, style=style)
-    console.print(table)
+    return table
+
+
+def print_advice(a: Advice) -> None:
+    from rich.console import Console
+
+    console = Console()
+    what = f"{a.model.name}: " if a.model is not None else ""
+    b = a.bytes
+    console.print(
+        f"[bold]lit-parallel advise[/bold]: {what}{a.params:,} parameters on {a.nodes} node(s) x {a.devices}"
+        f" device(s) = {a.world_size} ranks; {format_bytes(a.memory_bytes, decimal=True)} per device ({a.memory_source});"
+        f" precision {a.precision}: {b.params} + {b.grads} + {b.optimizer} = {b.total} bytes per parameter"
+    )
+    if a.model is not None and a.model.block_description:
+        console.print(f"blocks: {a.model.block_description}")
+    act = a.activations
+    if act is not None:
+        console.print(
+            f"activations: {format_bytes(act.total_bytes, decimal=True)} per rank for {act.input_description} (micro-batch"
+            f" {act.batch_size}; largest block {format_bytes(act.largest_block_bytes, decimal=True)}), traced on the meta device"
+        )
+    console.print(_advice_table(a))
     console.print(ZERO2_NOTE)
     console.print("[bold]rules[/bold] (in order; the first that holds decides):")
     for rule, holds, evidence in a.evaluations:

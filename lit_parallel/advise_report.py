@@ -308,7 +308,7 @@ def error_rows(
 def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[list[dict], dict[str, Any]]:
     """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction.
     Returns the rows and what the launch measured of the cluster (bus bandwidth, latency, strategy costs)."""
-    from lit_parallel.advise_verify import hybrid_layout, launch, peak_from, real_inputs, vocabulary
+    from lit_parallel.advise_verify import launch, peak_from, real_inputs, vocabulary
     from lit_parallel.parallel.example_inputs import meta_example_input
     from lit_parallel.parallel.model_summary import load_model_class
 
@@ -349,13 +349,7 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
             multi.costs["pp_dp"] = fit_pipeline_cost(one_cal, res["calibration"]["pp_dp"], n)
         cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
                    "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
-        # hsdp runs as two replicas (hybrid_layout): predicted as that many nodes of shard ranks each
-        shard, replicas = hybrid_layout(n)
-        hybrid = predict(path, kwargs, precision="32-true", devices=shard, nodes=replicas,
-                         batch_size=args.batch_size, seq_len=args.seq_len, device_type="cpu", step_time=False,
-                         busbw_gbps=res["busbw_gbps"], latency_s=res["latency_s"],
-                         input_shape=args.input_shape)  # fmt: skip
-        hybrid.overhead_s, hybrid.costs = multi.overhead_s, multi.costs
+        hybrid, hybrid_label = _hsdp_prediction(path, kwargs, args, res, multi)
         for strategy, got in res.items():
             if strategy in ("busbw_gbps", "latency_s", "calibration", "alone"):
                 continue
@@ -364,14 +358,29 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                 continue
             if strategy not in multi.report.peaks:  # pp_dp on a model it does not predict: the notes say why
                 continue
-            pred = hybrid if strategy == "hsdp" else multi
-            label = f"hsdp {replicas}x{shard}" if strategy == "hsdp" else f"{strategy} x{n}"
+            pred, label = (hybrid, hybrid_label) if strategy == "hsdp" else (multi, f"{strategy} x{n}")
             measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
             timed = replace(pred, timing=StepTime(**got["timing"]) if got.get("timing") else None)
             rows += error_rows(
                 label, pred.report.peaks[strategy], measured, timed.step_s(strategy), got["step_s"]
             )
     return rows, cluster
+
+
+def _hsdp_prediction(
+    path: str, kwargs: dict[str, Any], args: Any, res: dict[str, Any], multi: Prediction
+) -> tuple[Prediction, str]:
+    """hsdp runs as two replicas (hybrid_layout): predicted as that many nodes of shard ranks each, with the
+    launch's ``multi`` prediction's overhead and strategy costs; and the label of its rows."""
+    from lit_parallel.advise_verify import hybrid_layout
+
+    shard, replicas = hybrid_layout(args.verify_ranks)
+    hybrid = predict(path, kwargs, precision="32-true", devices=shard, nodes=replicas,
+                     batch_size=args.batch_size, seq_len=args.seq_len, device_type="cpu", step_time=False,
+                     busbw_gbps=res["busbw_gbps"], latency_s=res["latency_s"],
+                     input_shape=args.input_shape)  # fmt: skip
+    hybrid.overhead_s, hybrid.costs = multi.overhead_s, multi.costs
+    return hybrid, f"hsdp {replicas}x{shard}"
 
 
 def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer: PartsTimer | None):

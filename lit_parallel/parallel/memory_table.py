@@ -20,11 +20,12 @@ TP+DP         everything                        tensor parallel inside a node x 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lit_parallel.parallel.memory import estimate_memory
-from lit_parallel.parallel.precision import precision_bytes
+from lit_parallel.parallel.precision import PrecisionBytes, precision_bytes
 
 if TYPE_CHECKING:
     from lit_parallel.parallel.activations import ActivationEstimate
@@ -85,16 +86,7 @@ def memory_rows(
     world = devices * nodes
     trainable = params if trainable_params is None else trainable_params
 
-    def split(strategy: str, shard: int | None, world_size: int) -> tuple[float, float, float]:
-        # estimate_memory divides what each ZeRO stage shards. Adam's optimizer bytes per parameter
-        # (12 or 8 or 4) are given as its two states of half that size each.
-        kw = {"world_size": world_size, "shard_size": shard, "optimizer": "adam"}
-        p = estimate_memory(params, strategy=strategy, param_dtype=b.params, **kw)
-        t = estimate_memory(
-            trainable, strategy=strategy, param_dtype=b.grads, optimizer_state_dtype=b.optimizer // 2, **kw
-        )
-        return p.param_bytes, t.grad_bytes, t.optimizer_bytes
-
+    split = functools.partial(_split, params, trainable, b)
     tp, dp = devices, nodes
     inside = params if tp_split_params is None else tp_split_params
     frac = inside / params if params else 1.0
@@ -129,6 +121,20 @@ def memory_rows(
             *tp_row,
         ),
     ]
+
+
+def _split(
+    params: int, trainable: int, b: PrecisionBytes, strategy: str, shard: int | None, world_size: int
+) -> tuple[float, float, float]:
+    """``(param_bytes, grad_bytes, optimizer_bytes)`` per rank of ``strategy`` (:func:`memory_rows`)."""
+    # estimate_memory divides what each ZeRO stage shards. Adam's optimizer bytes per parameter
+    # (12 or 8 or 4) are given as its two states of half that size each.
+    kw = {"world_size": world_size, "shard_size": shard, "optimizer": "adam"}
+    p = estimate_memory(params, strategy=strategy, param_dtype=b.params, **kw)
+    t = estimate_memory(
+        trainable, strategy=strategy, param_dtype=b.grads, optimizer_state_dtype=b.optimizer // 2, **kw
+    )
+    return p.param_bytes, t.grad_bytes, t.optimizer_bytes
 
 
 def memory_table(

@@ -57,7 +57,6 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,7 +189,7 @@ class PeakReport:
         }
 
 
-def _compute_dtype(precision: str) -> torch.dtype:
+def compute_dtype(precision: str) -> torch.dtype:
     return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
 
 
@@ -252,12 +251,12 @@ def _fsdp_peak(
     strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
     gloo: bool,
 ) -> Peak:  # fmt: skip
-    """The largest of :func:`_fsdp_moments`."""
-    moments = _fsdp_moments(strategy, sim, shape, state, c=c, opt_bytes=opt_bytes, shard=shard, gloo=gloo)
+    """The largest of :func:`fsdp_moments`."""
+    moments = fsdp_moments(strategy, sim, shape, state, c=c, opt_bytes=opt_bytes, shard=shard, gloo=gloo)
     return max(moments, key=lambda m: m.total)
 
 
-def _fsdp_moments(
+def fsdp_moments(
     strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
     gloo: bool,
 ) -> list[Peak]:  # fmt: skip
@@ -367,7 +366,8 @@ def predict_peaks(
             a for-loop on ``"cpu"``; their scratch memory differs.
         tp_plan: ``(model, plan)``: ``tp_dp``'s plan for ``devices`` ranks
             (:func:`~lit_parallel.parallel.tp_infer.infer_tp_plan`) and the copy of ``module`` it was inferred
-            on (converted for tensor parallelism); its row is then one rank's model (:func:`_tp_peaks`);
+            on (converted for tensor parallelism); its row is then one rank's model
+            (:func:`~lit_parallel.parallel.tp_local.tp_peaks`);
             without it, a share of the one-process figures.
     """
     precision = canonical_precision(precision)
@@ -387,7 +387,30 @@ def predict_peaks(
                                          tp_split_params=shape.block_params or None)}  # fmt: skip
     opt_elem = 4 if precision_bytes(precision).optimizer >= 8 else 2  # AdamW's scratch in the master dtype
     opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
-    world = devices * nodes
+    _add_strategy_peaks(report, sims, rows, c=c, opt_bytes=opt_bytes, device_type=device_type)
+    if tp_plan is not None:
+        from lit_parallel.parallel.tp_local import tp_peaks
+
+        report.peaks["tp_dp"], report.peaks_checkpointed["tp_dp"] = tp_peaks(
+            *tp_plan, precision=precision, nodes=nodes, block_names=list(block_names), kw=kw,
+            opt_elem=opt_elem, device_type=device_type,
+        )  # fmt: skip
+    from lit_parallel.parallel.peak_pipeline import add_pipeline_peaks
+
+    add_pipeline_peaks(report, module, list(block_names), precision=precision, device_type=device_type,
+                       seq_len=seq_len, example_inputs=example_inputs)  # fmt: skip
+    return report
+
+
+def _add_strategy_peaks(
+    report: PeakReport, sims: dict[tuple[str, bool], StepSimulation], rows: dict, *, c: int, opt_bytes: int,
+    device_type: str,
+) -> None:  # fmt: skip
+    """Every strategy's peak from the one-process simulations, without and with checkpointing (the row
+    without, where checkpointing was not simulated), into ``report``."""
+    precision, devices, shape = report.precision, report.devices, report.shape
+    sim = sims[(precision, False)]
+    world = devices * report.nodes
     for strategy in STRATEGIES:
         extra = {
             "share": report.block_activation_share,
@@ -400,90 +423,6 @@ def predict_peaks(
         report.peaks_checkpointed[strategy] = _strategy_peak(
             strategy, sims.get((precision, True), sim), rows, shape, **args
         )
-    if tp_plan is not None:
-        report.peaks["tp_dp"], report.peaks_checkpointed["tp_dp"] = _tp_peaks(
-            *tp_plan, precision=precision, nodes=nodes, block_names=list(block_names), kw=kw,
-            opt_elem=opt_elem, device_type=device_type,
-        )  # fmt: skip
-    from lit_parallel.parallel.peak_pipeline import add_pipeline_peaks
-
-    add_pipeline_peaks(report, module, list(block_names), precision=precision, device_type=device_type,
-                       seq_len=seq_len, example_inputs=example_inputs)  # fmt: skip
-    return report
-
-
-def _tp_peaks(
-    module: nn.Module, plan: Any, *, precision: str, nodes: int, block_names: list[str], kw: dict, opt_elem: int,
-    device_type: str,
-) -> tuple[Peak, Peak]:  # fmt: skip
-    """``tp_dp`` without and with activation checkpointing: FSDP2 over the ``nodes`` data-parallel ranks
-    (:func:`_fsdp_moments`) of one tensor-parallel rank's model (:func:`~lit_parallel.parallel.tp_local.
-    tp_local_model`), its step simulated on meta (the activations split layers make are split, those they
-    read whole), and each row-wise layer's forward all-reduce (:func:`_row_outputs`): the block gathered,
-    what the step holds at that point (activations and temporaries, counted as activations), and
-    TP_ALL_REDUCE_COPIES of the layer's output (its partial sum, the reduced result, gloo's input and output
-    buffers). A row-wise layer outside blocks counts the root gathered only."""
-    from lit_parallel.parallel.tp_local import tp_local_model
-
-    local = tp_local_model(module, plan)
-    shape = ModelShape.of(local, [local.get_submodule(n) for n in block_names])
-    rows = {r[0]: r for r in memory_rows(shape.params, devices=1, nodes=nodes, precision=precision,
-                                         trainable_params=shape.trainable)}  # fmt: skip
-    _, _, _, p, g, o = rows["FSDP/ZeRO-3"]
-    o += 4 * shape.param_tensors  # AdamW's step counters
-    opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
-    c = precision_bytes(precision).compute
-    args = {"c": c, "opt_bytes": opt_bytes, "shard": nodes, "gloo": device_type == "cpu"}
-    root = padded(shape.root_shapes, nodes) * c
-    out = []
-    for ac in (False, True) if block_names else (False,):
-        try:
-            with _row_outputs(local, plan, block_names) as at_rows:
-                sim = simulate_step(local, dtype=_compute_dtype(precision), block_names=block_names,
-                                    activation_checkpointing=ac, **kw)  # fmt: skip
-        except RuntimeError:  # a block that cannot be recomputed on meta: as _simulations, the row without
-            if not ac:
-                raise
-            break
-        moments = _fsdp_moments("tp_dp", sim, shape, (p, g, o), **args)
-        for path, (k, held, nbytes) in at_rows.items():
-            gathered = padded(shape.block_shapes[k], nodes) * c if k is not None else 0.0
-            moments.append(Peak("tp_dp", p + root + gathered, g, o, held, TP_ALL_REDUCE_COPIES * nbytes,
-                                "forward", f"{path} all-reduced"))  # fmt: skip
-        out.append(max(moments, key=lambda m: m.total))
-    return out[0], out[-1]
-
-
-@contextlib.contextmanager
-def _row_outputs(local: nn.Module, plan: Any, block_names: list[str]):
-    """While active, record each row-wise layer of ``plan`` in ``local`` as it runs in the step simulation
-    (forward hooks are copied with the module into the simulation's meta copy) in the dict it yields:
-    ``path -> (the index of the block it is in or None, the bytes the step holds then beyond the model
-    state, its output's bytes)``; the first call of each (a recomputation in backward is not forward)."""
-    from lit_parallel.parallel.live_memory import LiveMemory
-    from lit_parallel.parallel.tp_plan import ROWWISE
-
-    paths = [layer.path for layer in plan.split if layer.style == ROWWISE and layer.path in plan.styles]
-    seen: dict[str, tuple[int | None, float, int]] = {}
-
-    def hook(path: str, block: int | None):
-        def record(module: nn.Module, args: Any, output: Any) -> None:
-            tracker = LiveMemory.innermost()
-            if path in seen or tracker is None or not isinstance(output, torch.Tensor):
-                return
-            seen[path] = (block, float(tracker.held_beyond_state()), output.numel() * output.element_size())
-
-        return record
-
-    def block_of(path: str) -> int | None:
-        return next((i for i, n in enumerate(block_names) if path == n or path.startswith(n + ".")), None)
-
-    handles = [local.get_submodule(p).register_forward_hook(hook(p, block_of(p))) for p in paths]
-    try:
-        yield seen
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _simulations(
@@ -497,7 +436,7 @@ def _simulations(
             try:
                 sims[(prec, ac)] = simulate_step(
                     module,
-                    dtype=_compute_dtype(prec),
+                    dtype=compute_dtype(prec),
                     block_names=block_names,
                     activation_checkpointing=ac,
                     **kw,
