@@ -142,12 +142,13 @@ def pipeline_worker_entry(
     """``pp_dp`` measured in every rank of an ``advise --verify`` launch (``devices`` ranks = stages), in the
     shape the launch reports the other strategies: ``{"peaks": [per rank], "step_s": s, "timing": t}``
     (``t``: ``timer``'s parts timed between the steps, as the slowest rank saw them,
-    :func:`~lit_parallel.advise_verify.slowest_rank_timing`). Raises what the strategy raised (a model pp_dp
+    :func:`~lit_parallel.advise_rounds.slowest_rank_timing`). Raises what the strategy raised (a model pp_dp
     cannot split, such as one with weights tied across stages): the caller ends the launch, since another
     rank may be waiting inside a pipeline step."""
     import torch.distributed as dist
 
-    from lit_parallel.advise_verify import peak_dict, slowest_rank_timing
+    from lit_parallel.advise_rounds import slowest_rank_timing
+    from lit_parallel.advise_verify import peak_dict
 
     peak, step_s = measure_pipeline_step(
         model, inputs, devices=devices, repeats=repeats, between=timer.sample if timer else None

@@ -51,9 +51,10 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     buffers: bool = False  # the model has buffers (DDP broadcasts them every step)
     stage_work: list[Any] | None = None  # pp_dp: each stage's share of the ops and FLOPs (pipeline_time.py)
-    # tp_dp: the row-wise layers of its automatic plan (each an all-reduce in forward and in backward), and
-    # the share of the compute the plan splits (of the parameters outside embeddings)
-    tp_pairs: int = 0
+    # tp_dp: the layers its automatic plan splits (each an all-reduce: a row-wise layer's output in forward, a
+    # column-wise layer's input gradient in backward), and the share of the compute the plan splits (of the
+    # parameters outside embeddings)
+    tp_split_layers: int = 0
     tp_split: float = 1.0
 
     def step_s(self, strategy: str) -> dict[str, float | None]:
@@ -103,7 +104,11 @@ class Prediction:
         calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
         more_calls = max(0, calls - 1) if strategy == "ddp_tuned" else 0
         return more_calls * self.latency_s + cost.seconds(
-            self.groups, self.timing.tensors, r.shape.params * grad, buffers=self.buffers, pairs=self.tp_pairs
+            self.groups,
+            self.timing.tensors,
+            r.shape.params * grad,
+            buffers=self.buffers,
+            split_layers=self.tp_split_layers,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -164,13 +169,13 @@ def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, Any] | None, s
 
 
 def _tp_plan_figures(module: nn.Module, plan: Any) -> tuple[int, float]:
-    """Of ``tp_dp``'s plan for ``module``: its row-wise layers (each pairs with the column-wise layers that
-    feed it: one all-reduce in forward, one in backward) and the share of the parameters outside embeddings
-    that it splits (what tensor parallelism divides of the compute)."""
+    """Of ``tp_dp``'s plan for ``module``: the layers it splits (column-wise and row-wise, one all-reduce
+    each) and the share of the parameters outside embeddings that it splits (what tensor parallelism divides
+    of the compute)."""
     split = sum(p.numel() for layer in plan.split for p in module.get_submodule(layer.path).parameters())
     dense = [p for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(False)]
     share = min(1.0, split / sum(p.numel() for p in dense)) if dense else 0.0
-    return sum(1 for layer in plan.split if layer.style == "rowwise"), share
+    return len(plan.split), share
 
 
 def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str | None | bool:
@@ -222,7 +227,7 @@ def predict(
             peaks.pop("tp_dp", None)
         report.notes.append(why)
     elif tp is not None:
-        pred.tp_pairs, pred.tp_split = _tp_plan_figures(*tp)
+        pred.tp_split_layers, pred.tp_split = _tp_plan_figures(*tp)
     if report.pipeline is not None:
         from lit_parallel.parallel.peak_pipeline import _micro_batch_args
         from lit_parallel.parallel.pipeline_time import pipeline_stage_work
@@ -391,7 +396,8 @@ def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer:
     the median step seconds."""
     import statistics
 
-    from lit_parallel.advise_verify import ROUNDS, lightning_overhead, measure_step, parts_timing
+    from lit_parallel.advise_rounds import parts_timing
+    from lit_parallel.advise_verify import ROUNDS, lightning_overhead, measure_step
     from lit_parallel.parallel.step_time import median_timing
 
     peak, steps, timings, overheads = None, [], [], []

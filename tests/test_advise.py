@@ -584,8 +584,9 @@ def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead
     pred = predict("tests.conformance_models:TorchDecoderLM", {}, precision="32-true", devices=2, nodes=1,
                    batch_size=8, seq_len=8, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
     assert {"pp_dp", "tp_dp"} <= set(pred.report.peaks), pred.report.notes
-    # 2 decoder layers: self-attention's and cross-attention's out_proj and linear2 are row-wise
-    assert pred.tp_pairs == 6
+    # 2 decoder layers, each split: self-attention's and cross-attention's q, k, v (column-wise) and out_proj
+    # (row-wise), linear1 (column-wise) and linear2 (row-wise): 10 layers each
+    assert pred.tp_split_layers == 2 * (2 * 4 + 2)
 
 
 @pytest.mark.timeout(600)
@@ -611,8 +612,9 @@ def test_a_real_launch_of_tp_dp_on_llama_measures_its_peak_within_10_percent_and
     layer = 16 * 32 + 2 * 8 * 32 + 32 * 16 + 3 * 32 * 32 + 2 * 32
     local, tensors = 2 * layer + 2 * 64 * 32 + 32, 2 * 9 + 3
     assert measured.by_category["optimizer"] == predicted.optimizer == 2 * 4 * local + 4 * tensors
-    # the pairs its step is priced by: o_proj and down_proj of each layer; tp_dp measured its calibration
-    assert pred.tp_pairs == 4 and "paired" in res["calibration"]["tp_dp"]
+    # the split layers its step is priced by: q, k, v, o, gate, up and down of each of the 2 layers; tp_dp
+    # measured its calibration
+    assert pred.tp_split_layers == 2 * 7 and "paired" in res["calibration"]["tp_dp"]
 
 
 def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from lit_parallel.parallel.calibration import (
     counts,
     fit_costs,
     shapes_of,
-    tp_pairs,
+    tp_split_layers,
 )
 
 
@@ -55,42 +55,43 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     assert d.seconds(13, 100, 1_000_240, buffers=True) == pytest.approx(3e-3 + 4.7e-3 + 1e-3 + 0.7e-3)
 
 
-def test_the_tensor_parallel_pairs_of_each_shape_are_what_the_automatic_plan_makes():
+def test_the_split_layers_of_each_shape_are_what_the_automatic_plan_makes():
     from lit_parallel.parallel.tp_infer import infer_tp_plan
 
     for name in SHAPES:
         plan = infer_tp_plan(calibration_model(name), tp_size=2)
-        rowwise = [layer.path for layer in plan.split if layer.style == "rowwise"]
-        assert len(rowwise) == tp_pairs(name), (name, plan.describe())
+        assert len(plan.split) == tp_split_layers(name), (name, plan.describe())
+        # as many column-wise as row-wise layers: a pair per block
+        assert [layer.style for layer in plan.split].count("rowwise") == tp_split_layers(name) // 2
     # by hand: a block of one Linear has no row-wise partner; paired and wide split their first two Linears
-    assert [tp_pairs(n) for n in ("reference", "thin", "paired", "wide", "heavy")] == [0, 0, 6, 6, 0]
+    assert [tp_split_layers(n) for n in ("reference", "thin", "paired", "wide", "heavy")] == [0, 0, 12, 12, 0]
     # only tp_dp (and one process, the baseline) runs the paired shape
     assert "paired" in shapes_of(None) and "paired" in shapes_of("tp_dp")
     assert all("paired" not in shapes_of(s) for s in ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp"))
 
 
-def test_tp_dp_cost_per_pair_is_recovered_from_seconds_made_up_from_known_costs():
-    # tp_dp costing 5 ms per step, 1 ms per FSDP group, 30 us per parameter tensor, 2 ms per tensor-parallel
-    # pair and 1 ms per MB: thin 4 more groups and 8 more tensors than reference, paired thin's groups with
-    # 20 more tensors and 6 pairs, wide 140 more tensors and the same 6 pairs
-    fixed, group, tensor, pair, per_byte = 5e-3, 1e-3, 30e-6, 2e-3, 1e-9
+def test_tp_dp_cost_per_split_layer_is_recovered_from_seconds_made_up_from_known_costs():
+    # tp_dp costing 5 ms per step, 1 ms per FSDP group, 30 us per parameter tensor, 2 ms per split layer and
+    # 1 ms per MB: thin 4 more groups and 8 more tensors than reference, paired thin's groups with 20 more
+    # tensors and 12 split layers, wide 140 more tensors and the same 12 split layers
+    fixed, group, tensor, split, per_byte = 5e-3, 1e-3, 30e-6, 2e-3, 1e-9
     heavy_bytes = counts("heavy")[2] - counts("reference")[2]
     one = {n: 1e-3 * (i + 1) for i, n in enumerate(SHAPES)}
     extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor,
-             "paired": fixed + 4 * group + 20 * tensor + 6 * pair,
-             "wide": fixed + 4 * group + 140 * tensor + 6 * pair,
+             "paired": fixed + 4 * group + 20 * tensor + 12 * split,
+             "wide": fixed + 4 * group + 140 * tensor + 12 * split,
              "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed}  # fmt: skip
     cost = fit_costs(one, {"tp_dp": {k: one[k] + extra[k] for k in one}})["tp_dp"]
-    assert (cost.fixed_s, cost.group_s, cost.tensor_s, cost.pair_s, cost.byte_s) == pytest.approx(
-        (fixed, group, tensor, pair, per_byte)
+    assert (cost.fixed_s, cost.group_s, cost.tensor_s, cost.split_layer_s, cost.byte_s) == pytest.approx(
+        (fixed, group, tensor, split, per_byte)
     )
-    # a model of 5 groups, 30 tensors, 1,000,240 bytes and 4 pairs: 5 + 2 x 1 + 24 x 0.03 + 1 + 4 x 2 ms
-    assert cost.seconds(5, 30, 1_000_240, pairs=4) == pytest.approx((5 + 2 + 0.72 + 1 + 8) * 1e-3)
-    # the other strategies never see a pair: FSDP's fit of the same seconds, without paired, has pair_s 0
+    # a model of 5 groups, 30 tensors, 1,000,240 bytes and 7 split layers: 5 + 2 x 1 + 24 x 0.03 + 1 + 7 x 2
+    assert cost.seconds(5, 30, 1_000_240, split_layers=7) == pytest.approx((5 + 2 + 0.72 + 1 + 14) * 1e-3)
+    # the other strategies never split a layer: FSDP's fit of the same seconds, without paired, has 0 for it
     fsdp = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one if k != "paired"}})[
         "fsdp_blocks"
     ]
-    assert fsdp.pair_s == 0.0
+    assert fsdp.split_layer_s == 0.0
 
 
 def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_the_fixed_cost():
@@ -153,23 +154,24 @@ def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_pe
     from lit_parallel.parallel.step_time import StepTime
 
     # mlp (Linear 16->32, 32->32, 32->32, 32->4, Tanh between): the automatic plan splits them as two
-    # column-wise / row-wise pairs at tp 2, every Linear split
+    # column-wise / row-wise pairs at tp 2, every Linear split: 4 split layers
     pred = predict("tests.conformance_models:mlp", {}, precision="32-true", devices=2, nodes=1, batch_size=4,
                    seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=1e-4,
                    input_shape=(16,))  # fmt: skip
-    assert pred.tp_pairs == 2 and pred.tp_split == 1.0
+    assert pred.tp_split_layers == 4 and pred.tp_split == 1.0
     params, tensors = 16 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 4 + 4, 8
     costs = {"tp_dp": StrategyCost(fixed_s=5e-3, group_s=1e-3, tensor_s=3e-5, reference_groups=3,
-                                   reference_tensors=6, byte_s=1e-9, reference_bytes=240, pair_s=2e-3)}  # fmt: skip
+                                   reference_tensors=6, byte_s=1e-9, reference_bytes=240,
+                                   split_layer_s=2e-3)}  # fmt: skip
     timing = StepTime(block_s=0.0, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
                       optimizer_element_s=0.0, tensors=tensors, elements=params, block_description="x")  # fmt: skip
     got = replace(pred, timing=timing, costs=costs).step_s("tp_dp")
     # compute 100 x 10 us, all of it split: halved; FSDP groups: the three Linears block discovery takes as
     # mlp's blocks (0, 2, 4) and the root, one beyond the reference's 3; 2 tensors and 4 x params - 240
-    # bytes beyond it; 2 pairs x 2 ms
+    # bytes beyond it; 4 split layers x 2 ms
     assert pred.groups == 4 and got["compute_s"] == pytest.approx(0.5e-3)
     more = 1e-3 + (tensors - 6) * 3e-5 + (4 * params - 240) * 1e-9
-    assert got["comm_s"] == pytest.approx(5e-3 + more + 2 * 2e-3)
+    assert got["comm_s"] == pytest.approx(5e-3 + more + 4 * 2e-3)
     # a model the plan splits half of: the compute is 3/4 of one process's
     assert replace(pred, timing=timing, costs=costs, tp_split=0.5).step_s("tp_dp")[
         "compute_s"
@@ -339,7 +341,7 @@ def test_each_stage_counts_the_parameter_tensors_of_the_pieces_pp_dp_gives_it():
 def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks():
     from dataclasses import asdict
 
-    from lit_parallel.advise_verify import _combine_rounds
+    from lit_parallel.advise_rounds import combine_rounds
     from lit_parallel.parallel.step_time import StepTime
 
     def timing(block_s: float) -> dict:
@@ -356,7 +358,7 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
         for s, o, r, p, step, c in [(1e-3, 5e-4, 2e-3, 100, 4e-3, 3e-3), (9e-3, 9e-4, 8e-3, 101, 9e-3, 9e-3),
                                     (2e-3, 6e-4, 3e-3, 102, 5e-3, 4e-3)]
     ]  # fmt: skip
-    out = _combine_rounds(rounds, ["ddp_tuned", "zero2"])
+    out = combine_rounds(rounds, ["ddp_tuned", "zero2"])
     assert out["alone"] == {"overhead_s": 6e-4, "one_process": {"reference": 3e-3}}
     ddp = out["ddp_tuned"]
     assert ddp["peaks"] == [100] and ddp["step_s"] == 5e-3

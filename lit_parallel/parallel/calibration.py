@@ -17,18 +17,19 @@ adds. Five shapes separate five costs:
 * ``buffered`` (``reference`` with a buffer): what syncing buffers adds (DDP broadcasts them at every
   forward, a synchronisation of the ranks in the middle of the step; FSDP2 does not);
 * ``paired`` (6 blocks of 2 layers; ``tp_dp`` only): tensor parallelism's automatic plan splits each block's
-  two Linears as a column-wise / row-wise pair (an all-reduce of the block's output in forward, one of its
-  input's gradient in backward, DTensor dispatch around both), as in ``wide``, whose other 10 Linears per
-  block stay replicated.
+  two Linears, column-wise then row-wise: 12 split layers, each with one all-reduce (a row-wise layer's
+  output in forward, a column-wise layer's input gradient in backward) and DTensor dispatch around it, as in
+  ``wide``, whose other 10 Linears per block stay replicated.
 
 So ``per tensor = (wide - thin) / 132``, ``per group = (thin - reference - 8 x per tensor) / 4`` and ``per
 byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` groups, ``T`` parameter
 tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
 240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step:
 every collective, copy and hook the strategy runs, bytes included. DDP has no groups: its per-group cost
-is 0. ``tp_dp`` pays per tensor-parallel pair as well (a row-wise layer of its plan, with the
-column-wise layers that feed it): ``per tensor = (wide - paired) / 120`` (the same pairs) and ``per pair =
-(paired - thin - 12 x per tensor) / 6``. ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and
+is 0. ``tp_dp`` pays per split layer of its plan as well (column-wise or row-wise; a model's
+attention splits three or four column-wise layers for each row-wise one, and each has its all-reduce):
+``per tensor = (wide - paired) / 120`` (the same split layers) and ``per split layer = (paired - thin - 12
+x per tensor) / 12``. ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and
 ``heavy`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a
 cost per slot, per FSDP group, per parameter tensor and per parameter byte of the largest stage, per slot
 (:func:`fit_pipeline_cost`); its stage boundary transfers are priced by the measured bus bandwidth.
@@ -90,12 +91,12 @@ def calibration_input() -> tuple[torch.Tensor]:
     return (torch.randn(BATCH, FEATURES, generator=torch.Generator().manual_seed(0)),)
 
 
-def tp_pairs(name: str) -> int:
-    """Tensor-parallel pairs the automatic plan makes of a calibration shape: one per block of two or more
-    layers (its first two Linears, column-wise then row-wise; the others read a Linear's output and stay
+def tp_split_layers(name: str) -> int:
+    """Layers the automatic tensor-parallel plan splits in a calibration shape: the first two Linears of
+    each block of two or more (column-wise then row-wise; the others read a Linear's output and stay
     replicated), none in a block of one Linear (its output feeds no row-wise layer)."""
     blocks, layers, _ = SHAPES[name]
-    return blocks if layers >= 2 else 0
+    return 2 * blocks if layers >= 2 else 0
 
 
 def counts(name: str) -> tuple[int, int, int]:
@@ -122,22 +123,23 @@ class StrategyCost:
     byte_s: float = 0.0
     reference_bytes: int = 0
     buffers_s: float = 0.0  # a model with buffers: DDP broadcasts them at every forward (a synchronisation)
-    pair_s: float = 0.0  # tp_dp: per tensor-parallel pair (its forward and backward all-reduce, DTensor work)
+    # tp_dp: per layer its plan splits (column-wise or row-wise: one all-reduce each, and DTensor's work)
+    split_layer_s: float = 0.0
 
     @classmethod
     def fit(cls, extra_s: dict[str, float], *, grouped: bool, tensor_parallel: bool = False) -> StrategyCost:
         """From the seconds the strategy added to each shape (``grouped``: FSDP, which has groups;
-        ``tensor_parallel``: tp_dp, whose ``wide`` and ``paired`` shapes hold tensor-parallel pairs)."""
+        ``tensor_parallel``: tp_dp, whose ``wide`` and ``paired`` shapes hold split layers)."""
         (g_ref, t_ref, b_ref), (g_thin, t_thin, _), (_, t_wide, _), (_, _, b_heavy) = (
             counts(n) for n in ("reference", "thin", "wide", "heavy")
         )
         per_tensor = max(0.0, (extra_s["wide"] - extra_s["thin"]) / (t_wide - t_thin))
-        per_pair = 0.0
-        if tensor_parallel:  # wide and paired have the same pairs; paired and thin the same groups
+        per_split = 0.0
+        if tensor_parallel:  # wide and paired split the same layers; paired and thin have the same groups
             t_paired = counts("paired")[1]
             per_tensor = max(0.0, (extra_s["wide"] - extra_s["paired"]) / (t_wide - t_paired))
             more = extra_s["paired"] - extra_s["thin"] - per_tensor * (t_paired - t_thin)
-            per_pair = max(0.0, more / tp_pairs("paired"))
+            per_split = max(0.0, more / tp_split_layers("paired"))
         per_group = 0.0
         if grouped:
             rest = extra_s["thin"] - extra_s["reference"] - per_tensor * (t_thin - t_ref)
@@ -147,20 +149,30 @@ class StrategyCost:
         if not grouped and "buffered" in extra_s:
             buffers = max(0.0, extra_s["buffered"] - extra_s["reference"])
         return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref,
-                   byte_s=per_byte, reference_bytes=b_ref, buffers_s=buffers, pair_s=per_pair)  # fmt: skip
+                   byte_s=per_byte, reference_bytes=b_ref, buffers_s=buffers, split_layer_s=per_split)  # fmt: skip
 
     def seconds(
-        self, groups: int, tensors: int, param_bytes: float = 0.0, buffers: bool = False, pairs: int = 0
+        self,
+        groups: int,
+        tensors: int,
+        param_bytes: float = 0.0,
+        buffers: bool = False,
+        split_layers: int = 0,
     ) -> float:
         """What the strategy adds to the step of a model with ``groups`` FSDP groups, ``tensors``
         parameter tensors, ``param_bytes`` bytes of parameters as communicated, ``buffers`` or not, and
-        ``pairs`` tensor-parallel pairs (never less than the fixed cost)."""
+        ``split_layers`` layers split by tensor parallelism (never less than the fixed cost)."""
         more = (
             self.group_s * (groups - self.reference_groups)
             + self.tensor_s * (tensors - self.reference_tensors)
             + self.byte_s * (param_bytes - self.reference_bytes)
         )
-        return self.fixed_s + max(0.0, more) + (self.buffers_s if buffers else 0.0) + self.pair_s * pairs
+        return (
+            self.fixed_s
+            + max(0.0, more)
+            + (self.buffers_s if buffers else 0.0)
+            + self.split_layer_s * split_layers
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,7 +10,7 @@ def slowest_rank_timing(ctx) -> dict:
     in sample 0 and 3 - r ms in sample 1): the timing every rank gets back is the slowest rank's, sample by
     sample."""
     from lit_parallel.advise_report import shaped_input
-    from lit_parallel.advise_verify import slowest_rank_timing
+    from lit_parallel.advise_rounds import slowest_rank_timing
     from lit_parallel.parallel.model_summary import build_on_meta
     from lit_parallel.parallel.step_time import PartsTimer
     from tests.conformance_models import FEATURES, mlp
