@@ -162,13 +162,26 @@ def simulate_micro_batch(
         for h in handles:
             h.remove()
     backward = tracker.peak.by_category
+    temporaries = float(max(forward.get("temporaries", 0), backward.get("temporaries", 0)))
+    return _result(bounds, end, temporaries, model_output, float(model_output_saved))
+
+
+def _result(
+    bounds: _BlockBoundaries,
+    end: tuple[float, float],
+    temporaries: float,
+    model_output: float,
+    model_output_saved: float,
+) -> MicroBatchSimulation:
+    """The simulation from the block boundaries and ``end`` (saved activations and model inputs at the end
+    of forward and loss)."""
     first, last = (bounds.marks[0], bounds.after[-1]) if bounds.marks else (end, end)
     return MicroBatchSimulation(
         prefix=first[0],
         blocks=[a[0] - b[0] for b, a in zip(bounds.marks, bounds.after)],
         suffix=end[0] - last[0],
         outputs=bounds.outputs,
-        temporaries=float(max(forward.get("temporaries", 0), backward.get("temporaries", 0))),
+        temporaries=temporaries,
         input_saved=bounds.input_saved,
         output_saved=bounds.output_saved,
         inputs=float(sum(t.untyped_storage().nbytes() for t in bounds.inputs.values())),
@@ -176,5 +189,5 @@ def simulate_micro_batch(
         block_inputs=[a[1] - b[1] for b, a in zip(bounds.marks, bounds.after)],
         suffix_inputs=end[1] - last[1],
         model_output=model_output,
-        model_output_saved=float(model_output_saved),
+        model_output_saved=model_output_saved,
     )

@@ -165,6 +165,20 @@ class _BlockMoments:
         return tuple(self.tracker.pair(m) for m in moments)
 
 
+def _meta_model(
+    module: nn.Module, dtype: torch.dtype, block_names: Sequence[str], activation_checkpointing: bool
+) -> tuple[nn.Module, list[nn.Module]]:
+    """A meta copy of ``module`` and its blocks (by name), each block checkpointed when asked."""
+    from lit_parallel.parallel.parallelize import apply_activation_checkpointing
+
+    meta = meta_copy(module, dtype)
+    blocks = [meta.get_submodule(name) for name in block_names]
+    if activation_checkpointing:
+        for block in blocks:
+            apply_activation_checkpointing(block)
+    return meta, blocks
+
+
 def simulate_step(
     module: nn.Module,
     *,
@@ -184,14 +198,8 @@ def simulate_step(
         activation_checkpointing: recompute each block in backward (non-reentrant checkpoint per block,
             as ``activation_checkpointing=True`` does in fsdp_blocks / tp_dp).
     """
-    from lit_parallel.parallel.parallelize import apply_activation_checkpointing
-
     example = meta_example_input(module, batch_size=batch_size, seq_len=seq_len, given=example_inputs)
-    meta = meta_copy(module, dtype)
-    blocks = [meta.get_submodule(name) for name in block_names]
-    if activation_checkpointing:
-        for block in blocks:
-            apply_activation_checkpointing(block)
+    meta, blocks = _meta_model(module, dtype, block_names, activation_checkpointing)
     args = tuple(to_meta(a, dtype) for a in example.args)
     target = forward_target(meta, blocks)
     tracker = _Segments(list(meta.parameters()), exact=False, meta=True)

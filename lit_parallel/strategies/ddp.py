@@ -43,6 +43,30 @@ _UNUSED_FIX = (
 )
 
 
+def _check_and_prepare_arguments(
+    tuning: dict[str, Any],
+    broadcast_buffers: bool | None,
+    auto_resume: bool,
+    ddp_kwargs: dict[str, Any],
+    process: dict[str, Any],
+) -> None:
+    """TunedDDPStrategy's arguments, checked when it is built (``tuning``: its DDP options by argument name;
+    ``process``: backend, timeout, start method). The deprecated ``broadcast_buffers`` is mapped onto
+    ``tuning["forward_sync_buffers"]``; a bool ``find_unused_parameters`` goes into ``ddp_kwargs``."""
+    checked = {name: value for name, value in tuning.items() if name != "gradient_as_bucket_view"}
+    tuning["forward_sync_buffers"] = check_arguments(
+        **checked,
+        broadcast_buffers=broadcast_buffers,
+        ddp_kwargs=ddp_kwargs,
+        process=process,
+        own_names=inspect.signature(TunedDDPStrategy.__init__).parameters,
+    )
+    check_bool("gradient_as_bucket_view", tuning["gradient_as_bucket_view"])
+    check_bool("auto_resume", auto_resume)
+    if isinstance(tuning["find_unused_parameters"], bool):  # where Lightning's DDPStrategy keeps it
+        ddp_kwargs["find_unused_parameters"] = tuning["find_unused_parameters"]
+
+
 class TunedDDPStrategy(DDPStrategy):
     """DDP with measured bucket sizes, probed unused-parameter detection and gradient compression.
 
@@ -145,8 +169,9 @@ class TunedDDPStrategy(DDPStrategy):
         auto_resume: bool = False,
         **kwargs: Any,
     ) -> None:
-        forward_sync_buffers = check_arguments(
+        tuning = dict(
             bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             comm_hook=comm_hook,
@@ -154,38 +179,20 @@ class TunedDDPStrategy(DDPStrategy):
             powersgd_warmup_steps=powersgd_warmup_steps,
             compile=compile,
             forward_sync_buffers=forward_sync_buffers,
-            broadcast_buffers=broadcast_buffers,
-            ddp_kwargs=kwargs,
-            process=dict(
-                process_group_backend=process_group_backend, timeout=timeout, start_method=start_method
-            ),
-            own_names=inspect.signature(TunedDDPStrategy.__init__).parameters,
         )
-        check_bool("gradient_as_bucket_view", gradient_as_bucket_view)
-        check_bool("auto_resume", auto_resume)
-        if isinstance(find_unused_parameters, bool):  # where Lightning's DDPStrategy keeps it
-            kwargs["find_unused_parameters"] = find_unused_parameters
+        process = dict(
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method
+        )
+        _check_and_prepare_arguments(tuning, broadcast_buffers, auto_resume, kwargs, process)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            **process,
             **kwargs,
         )
-        self._bucket_cap_mb = bucket_cap_mb
-        self._gradient_as_bucket_view = gradient_as_bucket_view
-        self._find_unused = find_unused_parameters
-        self._static_graph = static_graph
-        self._comm_hook = comm_hook
-        self._powersgd_rank = powersgd_rank
-        self._powersgd_warmup_steps = powersgd_warmup_steps
-        self._compile = compile
-        self._forward_sync_buffers = forward_sync_buffers
-        self.auto_resume = auto_resume
         self.reliability = Reliability.from_arguments(
             debug_level=debug_level,
             watchdog=watchdog,
@@ -193,6 +200,21 @@ class TunedDDPStrategy(DDPStrategy):
             timeout=timeout,
             stall_timeout=stall_timeout,
         )
+        self._init_options(tuning, auto_resume)
+
+    def _init_options(self, tuning: dict[str, Any], auto_resume: bool) -> None:
+        """Keeps the checked options (``tuning``: the DDP options by argument name), then starts without
+        decisions."""
+        self._bucket_cap_mb = tuning["bucket_cap_mb"]
+        self._gradient_as_bucket_view = tuning["gradient_as_bucket_view"]
+        self._find_unused = tuning["find_unused_parameters"]
+        self._static_graph = tuning["static_graph"]
+        self._comm_hook = tuning["comm_hook"]
+        self._powersgd_rank = tuning["powersgd_rank"]
+        self._powersgd_warmup_steps = tuning["powersgd_warmup_steps"]
+        self._compile = tuning["compile"]
+        self._forward_sync_buffers = tuning["forward_sync_buffers"]
+        self.auto_resume = auto_resume
         self._init_decisions()
 
     def _init_decisions(self) -> None:

@@ -43,6 +43,33 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
+def _check_arguments(
+    data_parallel_size: Any,
+    tensor_parallel_size: Any,
+    data_parallel_replicate_size: Any,
+    plan: Any,
+    sequence_parallel: Any,
+    loss_parallel: Any,
+) -> None:
+    """TensorParallelStrategy's own arguments, checked when it is built (the rest are ``fsdp_blocks``')."""
+    check_size("data_parallel_size", data_parallel_size, auto=True)
+    check_size("tensor_parallel_size", tensor_parallel_size, auto=True)
+    check_size("data_parallel_replicate_size", data_parallel_replicate_size)
+    if not (isinstance(plan, (str, Mapping)) or callable(plan)) or (isinstance(plan, str) and plan != "auto"):
+        raise ValueError(
+            f"plan={plan!r} must be 'auto', a dict {{module_path: ParallelStyle}} or a function"
+            " fn(lightning_module, tp_mesh)"
+        )
+    if sequence_parallel and not (isinstance(plan, str)):
+        raise ValueError(
+            "sequence_parallel=True applies to plan='auto'; a plan of your own must contain its"
+            " SequenceParallel styles itself (then leave sequence_parallel=False)"
+        )
+    for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
+
+
 class TensorParallelStrategy(TransformerFSDPStrategy):
     """Tensor parallelism inside each transformer block and FSDP2 across, over a
     ``(data_parallel, tensor_parallel)`` mesh (3-D with ``data_parallel_replicate_size``).
@@ -106,24 +133,14 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
     ) -> None:
-        check_size("data_parallel_size", data_parallel_size, auto=True)
-        check_size("tensor_parallel_size", tensor_parallel_size, auto=True)
-        check_size("data_parallel_replicate_size", data_parallel_replicate_size)
-        if not (isinstance(plan, (str, Mapping)) or callable(plan)) or (
-            isinstance(plan, str) and plan != "auto"
-        ):
-            raise ValueError(
-                f"plan={plan!r} must be 'auto', a dict {{module_path: ParallelStyle}} or a function"
-                " fn(lightning_module, tp_mesh)"
-            )
-        if sequence_parallel and not (isinstance(plan, str)):
-            raise ValueError(
-                "sequence_parallel=True applies to plan='auto'; a plan of your own must contain its"
-                " SequenceParallel styles itself (then leave sequence_parallel=False)"
-            )
-        for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r} must be True or False")
+        _check_arguments(
+            data_parallel_size,
+            tensor_parallel_size,
+            data_parallel_replicate_size,
+            plan,
+            sequence_parallel,
+            loss_parallel,
+        )
         super().__init__(
             block_types=block_types,
             reshard_after_forward=reshard_after_forward,
