@@ -51,10 +51,10 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     buffers: bool = False  # the model has buffers (DDP broadcasts them every step)
     stage_work: list[Any] | None = None  # pp_dp: each stage's share of the ops and FLOPs (pipeline_time.py)
-    # tp_dp: the layers its automatic plan splits (each an all-reduce: a row-wise layer's output in forward, a
-    # column-wise layer's input gradient in backward), and the share of the compute the plan splits (of the
-    # parameters outside embeddings)
-    tp_split_layers: int = 0
+    # tp_dp: the all-reduces of its automatic plan's step (a row-wise layer's output in forward, a column-wise
+    # layer's input gradient in backward where its input needs one), and the share of the compute the plan
+    # splits (of the parameters outside embeddings)
+    tp_all_reduces: int = 0
     tp_split: float = 1.0
 
     def step_s(self, strategy: str) -> dict[str, float | None]:
@@ -108,7 +108,7 @@ class Prediction:
             self.timing.tensors,
             r.shape.params * grad,
             buffers=self.buffers,
-            split_layers=self.tp_split_layers,
+            all_reduces=self.tp_all_reduces,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -168,14 +168,19 @@ def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, Any] | None, s
         return None, f"tp_dp: no tensor-parallel plan for {tp} ranks: {str(err).splitlines()[0]}"
 
 
-def _tp_plan_figures(module: nn.Module, plan: Any) -> tuple[int, float]:
-    """Of ``tp_dp``'s plan for ``module``: the layers it splits (column-wise and row-wise, one all-reduce
-    each) and the share of the parameters outside embeddings that it splits (what tensor parallelism divides
-    of the compute)."""
+def _tp_plan_figures(module: nn.Module, plan: Any, given: Any, seq_len: int | None) -> tuple[int, float]:
+    """Of ``tp_dp``'s plan for ``module``: the all-reduces of its step (a row-wise layer's output in forward,
+    a column-wise layer's input gradient in backward where its input needs one; counted in a forward on meta
+    of one sample, ``given`` or made up as the memory simulation makes it) and the share of the parameters
+    outside embeddings that it splits (what tensor parallelism divides of the compute)."""
+    from lit_parallel.parallel.example_inputs import meta_example_input
+    from lit_parallel.parallel.tp_local import all_reduces_per_step
+
     split = sum(p.numel() for layer in plan.split for p in module.get_submodule(layer.path).parameters())
     dense = [p for m in module.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(False)]
     share = min(1.0, split / sum(p.numel() for p in dense)) if dense else 0.0
-    return len(plan.split), share
+    args = meta_example_input(module, batch_size=1, seq_len=seq_len, given=given(1) if given else None).args
+    return all_reduces_per_step(module, plan, args), share
 
 
 def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str | None | bool:
@@ -227,7 +232,7 @@ def predict(
             peaks.pop("tp_dp", None)
         report.notes.append(why)
     elif tp is not None:
-        pred.tp_split_layers, pred.tp_split = _tp_plan_figures(*tp)
+        pred.tp_all_reduces, pred.tp_split = _tp_plan_figures(*tp, given, seq_len)
     if report.pipeline is not None:
         from lit_parallel.parallel.peak_pipeline import _micro_batch_args
         from lit_parallel.parallel.pipeline_time import pipeline_stage_work

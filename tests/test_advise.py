@@ -586,7 +586,7 @@ def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead
     assert {"pp_dp", "tp_dp"} <= set(pred.report.peaks), pred.report.notes
     # 2 decoder layers, each split: self-attention's and cross-attention's q, k, v (column-wise) and out_proj
     # (row-wise), linear1 (column-wise) and linear2 (row-wise): 10 layers each
-    assert pred.tp_split_layers == 2 * (2 * 4 + 2)
+    assert pred.tp_all_reduces == 2 * (2 * 4 + 2)
 
 
 @pytest.mark.timeout(600)
@@ -612,9 +612,9 @@ def test_a_real_launch_of_tp_dp_on_llama_measures_its_peak_within_10_percent_and
     layer = 16 * 32 + 2 * 8 * 32 + 32 * 16 + 3 * 32 * 32 + 2 * 32
     local, tensors = 2 * layer + 2 * 64 * 32 + 32, 2 * 9 + 3
     assert measured.by_category["optimizer"] == predicted.optimizer == 2 * 4 * local + 4 * tensors
-    # the split layers its step is priced by: q, k, v, o, gate, up and down of each of the 2 layers; tp_dp
+    # the all-reduces its step is priced by: q, k, v, o, gate, up and down of each of the 2 layers; tp_dp
     # measured its calibration
-    assert pred.tp_split_layers == 2 * 7 and "paired" in res["calibration"]["tp_dp"]
+    assert pred.tp_all_reduces == 2 * 7 and "paired" in res["calibration"]["tp_dp"]
 
 
 def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, monkeypatch):

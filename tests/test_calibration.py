@@ -8,11 +8,12 @@ from lit_parallel.parallel.calibration import (
     SHAPES,
     CalibrationNet,
     StrategyCost,
+    calibration_input,
     calibration_model,
     counts,
     fit_costs,
     shapes_of,
-    tp_split_layers,
+    tp_all_reduces,
 )
 
 
@@ -55,25 +56,29 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     assert d.seconds(13, 100, 1_000_240, buffers=True) == pytest.approx(3e-3 + 4.7e-3 + 1e-3 + 0.7e-3)
 
 
-def test_the_split_layers_of_each_shape_are_what_the_automatic_plan_makes():
+def test_the_all_reduces_of_each_shape_are_what_the_automatic_plan_makes():
     from lit_parallel.parallel.tp_infer import infer_tp_plan
+    from lit_parallel.parallel.tp_local import all_reduces_per_step
 
     for name in SHAPES:
-        plan = infer_tp_plan(calibration_model(name), tp_size=2)
-        assert len(plan.split) == tp_split_layers(name), (name, plan.describe())
+        model = calibration_model(name)
+        plan = infer_tp_plan(model, tp_size=2)
+        assert len(plan.split) == tp_all_reduces(name), (name, plan.describe())
         # as many column-wise as row-wise layers: a pair per block
-        assert [layer.style for layer in plan.split].count("rowwise") == tp_split_layers(name) // 2
+        assert [layer.style for layer in plan.split].count("rowwise") == tp_all_reduces(name) // 2
+        # every split layer all-reduces: each column-wise one reads the previous Linear's output
+        assert all_reduces_per_step(model, plan, calibration_input()) == tp_all_reduces(name)
     # by hand: a block of one Linear has no row-wise partner; paired and wide split their first two Linears
-    assert [tp_split_layers(n) for n in ("reference", "thin", "paired", "wide", "heavy")] == [0, 0, 12, 12, 0]
+    assert [tp_all_reduces(n) for n in ("reference", "thin", "paired", "wide", "heavy")] == [0, 0, 12, 12, 0]
     # only tp_dp (and one process, the baseline) runs the paired shape
     assert "paired" in shapes_of(None) and "paired" in shapes_of("tp_dp")
     assert all("paired" not in shapes_of(s) for s in ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp"))
 
 
-def test_tp_dp_cost_per_split_layer_is_recovered_from_seconds_made_up_from_known_costs():
-    # tp_dp costing 5 ms per step, 1 ms per FSDP group, 30 us per parameter tensor, 2 ms per split layer and
+def test_tp_dp_cost_per_all_reduce_is_recovered_from_seconds_made_up_from_known_costs():
+    # tp_dp costing 5 ms per step, 1 ms per FSDP group, 30 us per parameter tensor, 2 ms per all-reduce and
     # 1 ms per MB: thin 4 more groups and 8 more tensors than reference, paired thin's groups with 20 more
-    # tensors and 12 split layers, wide 140 more tensors and the same 12 split layers
+    # tensors and 12 all-reduces, wide 140 more tensors and the same 12 all-reduces
     fixed, group, tensor, split, per_byte = 5e-3, 1e-3, 30e-6, 2e-3, 1e-9
     heavy_bytes = counts("heavy")[2] - counts("reference")[2]
     one = {n: 1e-3 * (i + 1) for i, n in enumerate(SHAPES)}
@@ -82,16 +87,16 @@ def test_tp_dp_cost_per_split_layer_is_recovered_from_seconds_made_up_from_known
              "wide": fixed + 4 * group + 140 * tensor + 12 * split,
              "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed}  # fmt: skip
     cost = fit_costs(one, {"tp_dp": {k: one[k] + extra[k] for k in one}})["tp_dp"]
-    assert (cost.fixed_s, cost.group_s, cost.tensor_s, cost.split_layer_s, cost.byte_s) == pytest.approx(
+    assert (cost.fixed_s, cost.group_s, cost.tensor_s, cost.all_reduce_s, cost.byte_s) == pytest.approx(
         (fixed, group, tensor, split, per_byte)
     )
-    # a model of 5 groups, 30 tensors, 1,000,240 bytes and 7 split layers: 5 + 2 x 1 + 24 x 0.03 + 1 + 7 x 2
-    assert cost.seconds(5, 30, 1_000_240, split_layers=7) == pytest.approx((5 + 2 + 0.72 + 1 + 14) * 1e-3)
+    # a model of 5 groups, 30 tensors, 1,000,240 bytes and 7 all-reduces: 5 + 2 x 1 + 24 x 0.03 + 1 + 7 x 2
+    assert cost.seconds(5, 30, 1_000_240, all_reduces=7) == pytest.approx((5 + 2 + 0.72 + 1 + 14) * 1e-3)
     # the other strategies never split a layer: FSDP's fit of the same seconds, without paired, has 0 for it
     fsdp = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one if k != "paired"}})[
         "fsdp_blocks"
     ]
-    assert fsdp.split_layer_s == 0.0
+    assert fsdp.all_reduce_s == 0.0
 
 
 def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_the_fixed_cost():
@@ -147,31 +152,32 @@ def test_the_predicted_step_adds_the_measured_strategy_cost():
     assert pred.step_s("fsdp_blocks")["comm_s"] == pytest.approx(comm)
 
 
-def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_per_pair():
+def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_per_all_reduce():
     from dataclasses import replace
 
     from lit_parallel.advise_report import predict
     from lit_parallel.parallel.step_time import StepTime
 
     # mlp (Linear 16->32, 32->32, 32->32, 32->4, Tanh between): the automatic plan splits them as two
-    # column-wise / row-wise pairs at tp 2, every Linear split: 4 split layers
+    # column-wise / row-wise pairs at tp 2, every Linear split: 4 split layers, 3 all-reduces (the first
+    # Linear reads the model's input, which needs no gradient)
     pred = predict("tests.conformance_models:mlp", {}, precision="32-true", devices=2, nodes=1, batch_size=4,
                    seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=1e-4,
                    input_shape=(16,))  # fmt: skip
-    assert pred.tp_split_layers == 4 and pred.tp_split == 1.0
+    assert pred.tp_all_reduces == 3 and pred.tp_split == 1.0
     params, tensors = 16 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 4 + 4, 8
     costs = {"tp_dp": StrategyCost(fixed_s=5e-3, group_s=1e-3, tensor_s=3e-5, reference_groups=3,
                                    reference_tensors=6, byte_s=1e-9, reference_bytes=240,
-                                   split_layer_s=2e-3)}  # fmt: skip
+                                   all_reduce_s=2e-3)}  # fmt: skip
     timing = StepTime(block_s=0.0, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
                       optimizer_element_s=0.0, tensors=tensors, elements=params, block_description="x")  # fmt: skip
     got = replace(pred, timing=timing, costs=costs).step_s("tp_dp")
     # compute 100 x 10 us, all of it split: halved; FSDP groups: the three Linears block discovery takes as
     # mlp's blocks (0, 2, 4) and the root, one beyond the reference's 3; 2 tensors and 4 x params - 240
-    # bytes beyond it; 4 split layers x 2 ms
+    # bytes beyond it; 3 all-reduces x 2 ms
     assert pred.groups == 4 and got["compute_s"] == pytest.approx(0.5e-3)
     more = 1e-3 + (tensors - 6) * 3e-5 + (4 * params - 240) * 1e-9
-    assert got["comm_s"] == pytest.approx(5e-3 + more + 4 * 2e-3)
+    assert got["comm_s"] == pytest.approx(5e-3 + more + 3 * 2e-3)
     # a model the plan splits half of: the compute is 3/4 of one process's
     assert replace(pred, timing=timing, costs=costs, tp_split=0.5).step_s("tp_dp")[
         "compute_s"
@@ -422,14 +428,38 @@ def test_the_step_rates_always_give_back_the_time_at_the_micro_batch():
     assert _rates([(100, 1000)], [3e-3]) == pytest.approx((3e-5, 0.0))
 
 
-@pytest.mark.timeout(120)
-def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(tmp_path):
+@pytest.fixture(scope="module")
+def advise_launch(tmp_path_factory):
+    """One launch of 2 ranks runs every scenario of tests/scenarios/advise.py."""
     from tests.harness import launch
 
-    res = launch("tests.scenarios.advise:slowest_rank_timing", 2, tmp_path)
+    scenarios = [f"tests.scenarios.advise:{n}" for n in ("slowest_rank_timing", "tp_all_reduces")]
+    return launch(scenarios, 2, tmp_path_factory.mktemp("advise"))
+
+
+@pytest.mark.timeout(180)
+def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(advise_launch):
     # sample 0: ranks 1 and 2 ms, sample 1: ranks 3 and 2 ms; the slowest per sample: 2 and 3 ms, whose
     # lower quartile (of two: the smaller) is 2 ms, on both ranks; the samples are used up
-    assert res.scenario("slowest_rank_timing") == [{"block_s": 2e-3, "samples_left": 0, "none": None}] * 2
+    expected = {"block_s": 2e-3, "samples_left": 0, "none": None}
+    assert advise_launch.scenario("slowest_rank_timing") == [expected] * 2
+
+
+@pytest.mark.timeout(180)
+def test_tp_dp_is_priced_by_the_all_reduces_a_real_split_step_runs(advise_launch):
+    from lit_parallel.advise_report import predict
+
+    # by hand: mlp's plan splits its 4 Linears, and the first one reads the input (no gradient to reduce):
+    # 3. t5 (2 encoder and 2 decoder layers): q, k, v, o, wi and wo of each encoder layer, self-attention's
+    # and cross-attention's q, k, v and o and wi, wo of each decoder layer; the two relative attention bias
+    # embeddings are split as well but read integer positions: 2 x 6 + 2 x 10 = 32
+    counted = {"mlp": 3, "t5": 2 * 6 + 2 * 10}
+    assert advise_launch.scenario("tp_all_reduces") == [counted] * 2
+    for name, shape, seq in (("mlp", (16,), None), ("t5", None, 8)):
+        pred = predict(f"tests.conformance_models:{name}", {}, precision="32-true", devices=2, nodes=1,
+                       batch_size=4, seq_len=seq, device_type="cpu", step_time=False, busbw_gbps=None,
+                       input_shape=shape)  # fmt: skip
+        assert pred.tp_all_reduces == counted[name], name
 
 
 def test_measure_step_calls_between_after_each_timed_step_only():

@@ -99,14 +99,16 @@ NOTES = """
   split layers with their per-rank shapes, head counts per rank), so activations a split layer makes are
   split and those it reads are whole, plus four copies of each row-wise layer's output at its forward
   all-reduce. Its step time is the one-process compute with the share of parameters the plan splits
-  divided by 2, and a cost measured like the others' plus a cost per layer the plan splits, from the
-  `paired` calibration shape (6 blocks of a column-wise and a row-wise Linear at width 4). Every split
-  layer has an all-reduce of its own: a row-wise layer's output in forward, a column-wise layer's input
-  gradient in backward (attention's q, k and v each all-reduce theirs), and on these CPU ranks each costs
-  a few milliseconds of scheduling whatever its size: the same shape at width 4, 64 and 256, and at batch
-  8 and 512, measured the same per layer. Counting row-wise layers only (one pair each) predicted every
-  attention model 31-42 % short. The compute share counts parameters, not the time of the ops the plan
-  leaves whole (norms, residual adds, the loss). Models no plan can split (the recipes' GPT reshapes by
+  divided by 2, and a cost measured like the others' plus a cost per all-reduce of the plan, from the
+  `paired` calibration shape (6 blocks of a column-wise and a row-wise Linear at width 4). A split layer
+  has an all-reduce of its own: a row-wise layer's output in forward, a column-wise layer's input gradient
+  in backward (attention's q, k and v each all-reduce theirs) unless its input needs none (`mlp`'s first
+  Linear reads the model's input, T5's relative attention bias integer positions); a forward on the meta
+  device counts them, and torch's profiler counted the same number of gloo all-reduces per step on every
+  model here. On these CPU ranks each costs a few milliseconds of scheduling whatever its size: the same
+  shape at width 4, 64 and 256, and at batch 8 and 512, measured the same per layer. Counting row-wise
+  layers only (one pair each) predicted every attention model 31-42 % short. The compute share counts
+  parameters, not the time of the ops the plan leaves whole (norms, residual adds, the loss). Models no plan can split (the recipes' GPT reshapes by
   the full width) are refused with the reason.
 - **Where the step time misses.** {misses}
 - **`pp_dp`'s memory** is within 1 % on the recipes' GPT, Llama and `ImageClassifier`, `ConvNet` and

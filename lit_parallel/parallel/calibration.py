@@ -26,9 +26,10 @@ byte = (heavy - reference) / its extra parameter bytes``; a model with ``G`` gro
 tensors and ``B`` parameter bytes gets ``fixed + (G - 3) x per group + (T - 6) x per tensor + (B -
 240) x per byte`` (``+ buffered - reference`` when it has buffers) on top of its one-process step:
 every collective, copy and hook the strategy runs, bytes included. DDP has no groups: its per-group cost
-is 0. ``tp_dp`` pays per split layer of its plan as well (column-wise or row-wise; a model's
-attention splits three or four column-wise layers for each row-wise one, and each has its all-reduce):
-``per tensor = (wide - paired) / 120`` (the same split layers) and ``per split layer = (paired - thin - 12
+is 0. ``tp_dp`` pays per all-reduce of its plan as well (one for each
+split layer, column-wise or row-wise, except a column-wise layer whose input needs no gradient; a model's
+attention splits three or four column-wise layers for each row-wise one):
+``per tensor = (wide - paired) / 120`` (the same split layers) and ``per all-reduce = (paired - thin - 12
 x per tensor) / 12``. ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and
 ``heavy`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a
 cost per slot, per FSDP group, per parameter tensor and per parameter byte of the largest stage, per slot
@@ -91,9 +92,10 @@ def calibration_input() -> tuple[torch.Tensor]:
     return (torch.randn(BATCH, FEATURES, generator=torch.Generator().manual_seed(0)),)
 
 
-def tp_split_layers(name: str) -> int:
-    """Layers the automatic tensor-parallel plan splits in a calibration shape: the first two Linears of
-    each block of two or more (column-wise then row-wise; the others read a Linear's output and stay
+def tp_all_reduces(name: str) -> int:
+    """All-reduces of one step of a calibration shape under the automatic tensor-parallel plan: one for each
+    layer it splits, the first two Linears of each block of two or more (column-wise, whose input, the
+    previous Linear's output, needs a gradient, then row-wise; the others read a Linear's output and stay
     replicated), none in a block of one Linear (its output feeds no row-wise layer)."""
     blocks, layers, _ = SHAPES[name]
     return 2 * blocks if layers >= 2 else 0
@@ -123,8 +125,8 @@ class StrategyCost:
     byte_s: float = 0.0
     reference_bytes: int = 0
     buffers_s: float = 0.0  # a model with buffers: DDP broadcasts them at every forward (a synchronisation)
-    # tp_dp: per layer its plan splits (column-wise or row-wise: one all-reduce each, and DTensor's work)
-    split_layer_s: float = 0.0
+    # tp_dp: per all-reduce of its plan (one per split layer that needs one; DTensor's work around it)
+    all_reduce_s: float = 0.0
 
     @classmethod
     def fit(cls, extra_s: dict[str, float], *, grouped: bool, tensor_parallel: bool = False) -> StrategyCost:
@@ -134,12 +136,12 @@ class StrategyCost:
             counts(n) for n in ("reference", "thin", "wide", "heavy")
         )
         per_tensor = max(0.0, (extra_s["wide"] - extra_s["thin"]) / (t_wide - t_thin))
-        per_split = 0.0
+        per_reduce = 0.0
         if tensor_parallel:  # wide and paired split the same layers; paired and thin have the same groups
             t_paired = counts("paired")[1]
             per_tensor = max(0.0, (extra_s["wide"] - extra_s["paired"]) / (t_wide - t_paired))
             more = extra_s["paired"] - extra_s["thin"] - per_tensor * (t_paired - t_thin)
-            per_split = max(0.0, more / tp_split_layers("paired"))
+            per_reduce = max(0.0, more / tp_all_reduces("paired"))
         per_group = 0.0
         if grouped:
             rest = extra_s["thin"] - extra_s["reference"] - per_tensor * (t_thin - t_ref)
@@ -149,7 +151,7 @@ class StrategyCost:
         if not grouped and "buffered" in extra_s:
             buffers = max(0.0, extra_s["buffered"] - extra_s["reference"])
         return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref,
-                   byte_s=per_byte, reference_bytes=b_ref, buffers_s=buffers, split_layer_s=per_split)  # fmt: skip
+                   byte_s=per_byte, reference_bytes=b_ref, buffers_s=buffers, all_reduce_s=per_reduce)  # fmt: skip
 
     def seconds(
         self,
@@ -157,11 +159,11 @@ class StrategyCost:
         tensors: int,
         param_bytes: float = 0.0,
         buffers: bool = False,
-        split_layers: int = 0,
+        all_reduces: int = 0,
     ) -> float:
         """What the strategy adds to the step of a model with ``groups`` FSDP groups, ``tensors``
         parameter tensors, ``param_bytes`` bytes of parameters as communicated, ``buffers`` or not, and
-        ``split_layers`` layers split by tensor parallelism (never less than the fixed cost)."""
+        ``all_reduces`` all-reduces of tensor parallelism's split layers (never less than the fixed cost)."""
         more = (
             self.group_s * (groups - self.reference_groups)
             + self.tensor_s * (tensors - self.reference_tensors)
@@ -171,7 +173,7 @@ class StrategyCost:
             self.fixed_s
             + max(0.0, more)
             + (self.buffers_s if buffers else 0.0)
-            + self.split_layer_s * split_layers
+            + self.all_reduce_s * all_reduces
         )
 
     def as_dict(self) -> dict[str, Any]:

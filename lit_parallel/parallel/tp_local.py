@@ -6,7 +6,8 @@ embedding ``dim / tp`` per row) and every head-count attribute its per-rank valu
 :func:`~lit_parallel.parallel.tp_apply.apply_tp` does to the real model. The step simulated on it
 (:mod:`~lit_parallel.parallel.step_simulation`) holds what one rank holds: the activations a split layer
 makes split, those it reads (its input, the residual stream, norms) whole. :func:`tp_peaks` is
-``tp_dp``'s peak from it (:mod:`~lit_parallel.parallel.peak` calls it when it has the plan).
+``tp_dp``'s peak from it (:mod:`~lit_parallel.parallel.peak` calls it when it has the plan);
+:func:`all_reduces_per_step` counts the all-reduces its step runs (what ``tp_dp``'s step time is priced by).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_parallel.parallel.fused_attention import fused_attention_on_meta
 from lit_parallel.parallel.live_memory import LiveMemory
 from lit_parallel.parallel.memory_table import memory_rows
 from lit_parallel.parallel.peak import (
@@ -154,3 +156,29 @@ def row_outputs(local: nn.Module, plan: Any, block_names: list[str]):
     finally:
         for h in handles:
             h.remove()
+
+
+def all_reduces_per_step(module: nn.Module, plan: TPPlan, args: tuple) -> int:
+    """The all-reduces one training step of ``module`` split by ``plan`` runs, counted in a forward of
+    ``module`` (on meta) on ``args``: one for each row-wise layer (its partial output, in forward) and one
+    for each column-wise layer whose input needs a gradient (that gradient is a partial sum, reduced in
+    backward). A column-wise layer fed by the model's input or by integer positions (T5's relative attention
+    bias) has no input gradient and no all-reduce; a layer the forward does not reach runs none."""
+    styles = {layer.path: layer.style for layer in plan.split if layer.path in plan.styles}
+    reduces: dict[str, bool] = {}
+
+    def hook(path: str, style: str):
+        def record(mod: nn.Module, inputs: tuple, output: Any) -> None:
+            needs_grad = any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+            reduces.setdefault(path, style == ROWWISE or (style in _COLUMN and needs_grad))
+
+        return record
+
+    handles = [module.get_submodule(p).register_forward_hook(hook(p, s)) for p, s in styles.items()]
+    try:  # attention as the simulations run it (a mask made on the CPU meets meta queries there)
+        with torch.enable_grad(), fused_attention_on_meta():
+            module(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(reduces.values())

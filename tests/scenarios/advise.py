@@ -26,3 +26,31 @@ def slowest_rank_timing(ctx) -> dict:
         "samples_left": len(timer.samples),
         "none": slowest_rank_timing(None),
     }
+
+
+def tp_all_reduces(ctx) -> dict:
+    """``tp_dp``'s automatic plan applied to real ``mlp`` and ``t5`` over both ranks, as the strategy applies
+    it; the all-reduces gloo runs in one forward + backward (torch's profiler records each gloo collective)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lit_parallel.advise_verify import real_inputs, vocabulary
+    from lit_parallel.parallel.example_inputs import meta_example_input
+    from lit_parallel.parallel.step_simulation import default_loss
+    from lit_parallel.parallel.tp_apply import apply_tp
+    from lit_parallel.parallel.tp_infer import infer_tp_plan
+    from tests import conformance_models as cm
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for name, given in (("mlp", torch.empty(4, cm.FEATURES, device="meta")), ("t5", None)):
+        torch.manual_seed(0)
+        model = getattr(cm, name)()
+        args = real_inputs(
+            meta_example_input(model, batch_size=4, seq_len=8, given=given).args, vocabulary(model)
+        )
+        apply_tp(model, mesh, infer_tp_plan(model, tp_size=2))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            default_loss(model(*args), args).backward()
+        out[name] = sum(e.name == "gloo:all_reduce" for e in prof.events())
+    return out
