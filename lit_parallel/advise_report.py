@@ -315,6 +315,21 @@ def error_rows(
     return rows
 
 
+def launch_costs(res: dict[str, Any], ranks: int) -> dict[str, StrategyCost]:
+    """What each strategy added to a step in the launch ``res`` (:func:`~lit_parallel.advise_verify.launch`
+    of ``ranks`` ranks): fitted from its calibration shapes against the same shapes in one process, timed in
+    the launch; ``tp_dp``'s cost per all-reduce as timed between its own steps
+    (:mod:`~lit_parallel.parallel.tp_timer`), where it was."""
+    one_cal = res["alone"]["one_process"]
+    costs = fit_costs(one_cal, {k: v for k, v in res["calibration"].items() if k != "pp_dp"})
+    if "pp_dp" in res["calibration"]:
+        costs["pp_dp"] = fit_pipeline_cost(one_cal, res["calibration"]["pp_dp"], ranks)
+    reduce_s = res.get("tp_dp", {}).get("all_reduce_s")
+    if reduce_s is not None and "tp_dp" in costs:
+        costs["tp_dp"] = replace(costs["tp_dp"], all_reduce_s=reduce_s)
+    return costs
+
+
 def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[list[dict], dict[str, Any]]:
     """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction.
     Returns the rows and what the launch measured of the cluster (bus bandwidth, latency, strategy costs)."""
@@ -351,12 +366,8 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
         # Lightning's overhead and the calibration shapes in one process, as timed in the launch (every rank
         # at once): the ranks' own speed on this machine; each strategy's compute and AdamW were timed
         # between its own steps (its row's "timing")
-        alone = res["alone"]
-        multi.overhead_s = alone["overhead_s"]
-        one_cal = alone["one_process"]
-        multi.costs = fit_costs(one_cal, {k: v for k, v in res["calibration"].items() if k != "pp_dp"})
-        if "pp_dp" in res["calibration"]:
-            multi.costs["pp_dp"] = fit_pipeline_cost(one_cal, res["calibration"]["pp_dp"], n)
+        multi.overhead_s = res["alone"]["overhead_s"]
+        multi.costs = launch_costs(res, n)
         cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
                    "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
         hybrid, hybrid_label = _hsdp_prediction(path, kwargs, args, res, multi)

@@ -360,11 +360,15 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
     rounds = [
         {"alone": {"overhead_s": o, "one_process": {"reference": r}},
          "ddp_tuned": {"peaks": [p], "step_s": step, "timing": timing(s)}, "calibration.ddp_tuned": {"reference": c},
-         "zero2": {"error": "RuntimeError: no"}}
+         "zero2": {"error": "RuntimeError: no"},
+         "tp_dp": {"peaks": [p], "step_s": step, "timing": None, "all_reduce_s": c / 2},
+         "calibration.tp_dp": {"paired": c}}
         for s, o, r, p, step, c in [(1e-3, 5e-4, 2e-3, 100, 4e-3, 3e-3), (9e-3, 9e-4, 8e-3, 101, 9e-3, 9e-3),
                                     (2e-3, 6e-4, 3e-3, 102, 5e-3, 4e-3)]
     ]  # fmt: skip
     out = combine_rounds(rounds, ["ddp_tuned", "zero2"])
+    # tp_dp's cost per all-reduce, timed between its steps: the median of 1.5, 4.5 and 2 ms
+    assert combine_rounds(rounds, ["tp_dp"])["tp_dp"]["all_reduce_s"] == 2e-3
     assert out["alone"] == {"overhead_s": 6e-4, "one_process": {"reference": 3e-3}}
     ddp = out["ddp_tuned"]
     assert ddp["peaks"] == [100] and ddp["step_s"] == 5e-3
@@ -433,7 +437,8 @@ def advise_launch(tmp_path_factory):
     """One launch of 2 ranks runs every scenario of tests/scenarios/advise.py."""
     from tests.harness import launch
 
-    scenarios = [f"tests.scenarios.advise:{n}" for n in ("slowest_rank_timing", "tp_all_reduces")]
+    names = ("slowest_rank_timing", "tp_all_reduces", "all_reduce_timer")
+    scenarios = [f"tests.scenarios.advise:{n}" for n in names]
     return launch(scenarios, 2, tmp_path_factory.mktemp("advise"))
 
 
@@ -443,6 +448,18 @@ def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(advise_launch):
     # lower quartile (of two: the smaller) is 2 ms, on both ranks; the samples are used up
     expected = {"block_s": 2e-3, "samples_left": 0, "none": None}
     assert advise_launch.scenario("slowest_rank_timing") == [expected] * 2
+
+
+@pytest.mark.timeout(180)
+def test_tp_dp_cost_per_all_reduce_is_timed_as_the_slowest_rank_saw_it(advise_launch):
+    got = advise_launch.scenario("all_reduce_timer")
+    # made up: the slowest rank's paired times are 11, 20, 30 and 40 ms, its thin ones 1, 2, 4 and 4 ms; the
+    # differences 10, 18, 26 and 36 ms have the lower quartile 18 ms: 1.5 ms for each of paired's 12
+    # all-reduces, on both ranks; the samples are used up, and without samples there is no figure
+    assert [g["made_up"] for g in got] == [pytest.approx(1.5e-3)] * 2
+    assert all(g["left"] == [] and g["none"] is None for g in got)
+    # real: paired's 12 all-reduces cost more than nothing, and both ranks report the same figure
+    assert got[0]["real"] == got[1]["real"] > 0
 
 
 @pytest.mark.timeout(180)

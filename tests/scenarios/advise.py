@@ -54,3 +54,18 @@ def tp_all_reduces(ctx) -> dict:
             default_loss(model(*args), args).backward()
         out[name] = sum(e.name == "gloo:all_reduce" for e in prof.events())
     return out
+
+
+def all_reduce_timer(ctx) -> dict:
+    """tp_dp's :class:`AllReduceTimer` on both ranks: four real samples, then made-up ones (rank r's paired
+    forward + backward takes 10 + r, 20 - r, 30 and 40 ms, its thin one 1, 2, 3 + r and 4 ms)."""
+    from lit_parallel.parallel.tp_timer import AllReduceTimer
+
+    timer = AllReduceTimer()
+    for _ in range(4):
+        timer.sample()
+    real = timer.seconds()
+    r = dist.get_rank()
+    timer.samples = [(a * 1e-3, b * 1e-3) for a, b in [(10 + r, 1), (20 - r, 2), (30, 3 + r), (40, 4)]]
+    made_up = timer.seconds()
+    return {"real": real, "made_up": made_up, "left": timer.samples, "none": timer.seconds()}
