@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lit_parallel.callbacks import learning_rate_rule, per_rank_seed, scaled_learning_rate
+from lit_parallel.callbacks.pitfall_timing import judge_stragglers
 from lit_parallel.callbacks.pitfalls import Finding, PitfallReport, format_table
 from lit_parallel.parallel.waits import Window, span_and_waits, transfer_waits
 from tests.harness import launch
@@ -93,6 +94,25 @@ def test_transfer_waits_takes_the_last_arrival_per_collective():
     # windows whose sequences were not kept (only totals) are left out too, empty ones count as zero
     assert transfer_waits([[Window(1.0, 0.5)], [Window(1.0, 0.2)]]) == []
     assert transfer_waits([[Window(1.0, 0.0)], [Window(1.0, 0.0)]]) == [0.0]
+
+
+def test_straggler_judged_against_the_median_of_the_other_ranks():
+    def ranks(*ms, ddp=True):
+        return [
+            {"rank": r, "compute_ddp": v / 1e3 if ddp else None, "compute_steps": v / 1e3 + 1}
+            for r, v in enumerate(ms)
+        ]
+
+    limit = PitfallReport().straggler_limit
+    # the healthy run CI once flagged: 44.2 / 34.1 = 1.30, jitter of two ranks on a busy 2-core host
+    assert judge_stragglers(ranks(34.1, 44.2), limit).status == "ok"
+    # 40 ms of extra work on rank 2: 60 / median(20, 22, 20) = 3.0 > 1.4
+    slow = judge_stragglers(ranks(20.0, 22.0, 60.0, 20.0), limit)
+    assert slow.status == "problem" and "rank 2 is 3.0x slower" in slow.evidence
+    # DDP's reducer timings are used when every rank has them, the step windows otherwise
+    steps = judge_stragglers(ranks(20.0, 29.0, ddp=False), limit)
+    assert steps.status == "ok" and "rank 1 1029.0 ms" in steps.evidence
+    assert judge_stragglers(ranks(20.0), limit).status == "n/a"
 
 
 class _RecordedAt:
