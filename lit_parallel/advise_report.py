@@ -318,15 +318,16 @@ def error_rows(
 def launch_costs(res: dict[str, Any], ranks: int) -> dict[str, StrategyCost]:
     """What each strategy added to a step in the launch ``res`` (:func:`~lit_parallel.advise_verify.launch`
     of ``ranks`` ranks): fitted from its calibration shapes against the same shapes in one process, timed in
-    the launch; ``tp_dp``'s cost per all-reduce as timed between its own steps
-    (:mod:`~lit_parallel.parallel.tp_timer`), where it was."""
+    the launch; the costs per call timed between the strategy's own steps (``tp_dp``'s per all-reduce, an
+    FSDP group's; :mod:`~lit_parallel.parallel.between_steps`) as timed there, where they were."""
     one_cal = res["alone"]["one_process"]
     costs = fit_costs(one_cal, {k: v for k, v in res["calibration"].items() if k != "pp_dp"})
     if "pp_dp" in res["calibration"]:
         costs["pp_dp"] = fit_pipeline_cost(one_cal, res["calibration"]["pp_dp"], ranks)
-    reduce_s = res.get("tp_dp", {}).get("all_reduce_s")
-    if reduce_s is not None and "tp_dp" in costs:
-        costs["tp_dp"] = replace(costs["tp_dp"], all_reduce_s=reduce_s)
+    for name, cost in costs.items():
+        timed = res.get(name, {}).get("timed_costs")
+        if timed:
+            costs[name] = replace(cost, **timed)
     return costs
 
 

@@ -231,8 +231,8 @@ def worker(args: argparse.Namespace) -> int:
 
     from lit_parallel.doctor import bus_bandwidth
     from lit_parallel.launch import write_result
+    from lit_parallel.parallel.between_steps import between_step_timer
     from lit_parallel.parallel.model_summary import load_model_class
-    from lit_parallel.parallel.tp_timer import AllReduceTimer
 
     factory = load_model_class(args.model)
     kwargs = __import__("json").loads(args.model_kwargs or "{}")
@@ -242,8 +242,9 @@ def worker(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
     plain = [n for n in names if n != "pp_dp"]
     timer = worker_timer(args, kwargs)
-    # tp_dp's cost per all-reduce, timed between its steps as the parts are (lit_parallel/parallel/tp_timer.py)
-    reducer = AllReduceTimer() if "tp_dp" in plain else None
+    # each strategy's cost per call (tp_dp: all-reduce, FSDP: group), timed between its steps as the parts are
+    # (lit_parallel/parallel/between_steps.py); built on every rank at once: they make process groups
+    costs = {name: between_step_timer(name, dist.get_world_size()) for name in plain}
     # In rounds: Lightning's per-step overhead and the calibration shapes in one process, timed here on every
     # rank at once (ranks that share a machine's cores and memory compute more slowly than one process
     # alone, and that is the compute they will have), then each strategy's step and right after it its
@@ -256,9 +257,7 @@ def worker(args: argparse.Namespace) -> int:
         for name in plain:
             if any("error" in r.get(name, {}) for r in rounds):
                 continue
-            rounds[-1][name] = _measure_strategy(
-                factory, kwargs, args, name, timer, reducer if name == "tp_dp" else None
-            )
+            rounds[-1][name] = _measure_strategy(factory, kwargs, args, name, timer, costs[name])
             if "error" not in rounds[-1][name]:
                 rounds[-1][f"calibration.{name}"] = calibrate(name, args.devices, args.calibration_repeats)
     results.update(combine_rounds(rounds, plain))
@@ -300,29 +299,29 @@ def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
 
 
 def _measure_strategy(
-    factory: Any, kwargs: dict, args: argparse.Namespace, name: str, timer: Any, reducer: Any = None
+    factory: Any, kwargs: dict, args: argparse.Namespace, name: str, timer: Any, cost: Any = None
 ) -> dict[str, Any]:
     """One strategy's measured step in this launch: every rank's peak, the step seconds and the parts
-    ``timer`` timed between the steps (``reducer``, an :class:`AllReduceTimer`: tp_dp's cost per all-reduce,
-    timed there too), or the error."""
+    ``timer`` timed between the steps (``cost``, a timer of :mod:`~lit_parallel.parallel.between_steps`: what
+    the strategy adds, timed there too, as ``timed_costs``), or the error."""
     import torch.distributed as dist
 
     model, inputs = _model_and_inputs(factory, kwargs, args)
-    samplers = [t.sample for t in (timer, reducer) if t is not None]
+    samplers = [t.sample for t in (timer, cost) if t is not None]
     try:
         peak, step_s = measure_step(model, inputs, strategy=strategy_object(name, args.devices),
                                     devices=args.devices, repeats=args.repeats,
                                     between=(lambda: [f() for f in samplers]) if samplers else None)  # fmt: skip
     except Exception as err:  # a strategy this model cannot run: reported, the others still measured
         parts_timing(timer)  # what it sampled before failing belongs to no row
-        if reducer is not None:
-            reducer.samples = []
+        if cost is not None:
+            cost.samples = []
         return {"error": f"{type(err).__name__}: {err}"}
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_dict(peak))
     out = {"peaks": peaks, "step_s": step_s, "timing": slowest_rank_timing(timer)}
-    if reducer is not None:
-        out["all_reduce_s"] = reducer.seconds()
+    if cost is not None:
+        out["timed_costs"] = cost.costs()
     return out
 
 

@@ -361,20 +361,46 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
         {"alone": {"overhead_s": o, "one_process": {"reference": r}},
          "ddp_tuned": {"peaks": [p], "step_s": step, "timing": timing(s)}, "calibration.ddp_tuned": {"reference": c},
          "zero2": {"error": "RuntimeError: no"},
-         "tp_dp": {"peaks": [p], "step_s": step, "timing": None, "all_reduce_s": c / 2},
+         "tp_dp": {"peaks": [p], "step_s": step, "timing": None, "timed_costs": {"all_reduce_s": c / 2}},
          "calibration.tp_dp": {"paired": c}}
         for s, o, r, p, step, c in [(1e-3, 5e-4, 2e-3, 100, 4e-3, 3e-3), (9e-3, 9e-4, 8e-3, 101, 9e-3, 9e-3),
                                     (2e-3, 6e-4, 3e-3, 102, 5e-3, 4e-3)]
     ]  # fmt: skip
     out = combine_rounds(rounds, ["ddp_tuned", "zero2"])
     # tp_dp's cost per all-reduce, timed between its steps: the median of 1.5, 4.5 and 2 ms
-    assert combine_rounds(rounds, ["tp_dp"])["tp_dp"]["all_reduce_s"] == 2e-3
+    assert combine_rounds(rounds, ["tp_dp"])["tp_dp"]["timed_costs"] == {"all_reduce_s": 2e-3}
+    # a round whose timer had no samples counts for nothing: the median of the other two
+    rounds[0]["tp_dp"]["timed_costs"] = {"all_reduce_s": None}
+    assert combine_rounds(rounds, ["tp_dp"])["tp_dp"]["timed_costs"] == {"all_reduce_s": 3.25e-3}
     assert out["alone"] == {"overhead_s": 6e-4, "one_process": {"reference": 3e-3}}
     ddp = out["ddp_tuned"]
     assert ddp["peaks"] == [100] and ddp["step_s"] == 5e-3
     assert ddp["timing"]["block_s"] == 2e-3 and ddp["timing"]["op_s"] == 2e-5
     assert out["calibration"] == {"ddp_tuned": {"reference": 4e-3}}  # zero2 failed: no calibration
     assert out["zero2"] == {"error": "RuntimeError: no"}
+
+
+def test_a_launch_prices_each_strategy_with_the_costs_timed_between_its_steps():
+    from lit_parallel.advise_report import launch_costs
+
+    # the calibration runs (one process: 1 ms per shape) say 3 ms fixed, 2 ms per group, 50 us per tensor and
+    # 1 ms per MB under both strategies; between zero2's steps the machine was slower: 4 ms fixed, 5 ms per
+    # group (per tensor and byte are the calibration's). DDP was timed only by the calibration
+    heavy_bytes = 4 * (5 * 1024 + 2 * (1024 * 1024 + 1024)) - 240
+    extra = {"reference": 3e-3, "thin": 3e-3 + 4 * 2e-3 + 8 * 50e-6, "wide": 3e-3 + 4 * 2e-3 + 140 * 50e-6,
+             "heavy": 3e-3 + heavy_bytes * 1e-9, "buffered": 3e-3}  # fmt: skip
+    timed = {"fixed_s": 4e-3, "group_s": 5e-3}
+    res = {"alone": {"one_process": dict.fromkeys(extra, 1e-3)},
+           "calibration": {n: {k: 1e-3 + v for k, v in extra.items()} for n in ("zero2", "ddp_tuned")},
+           "zero2": {"timed_costs": timed}, "ddp_tuned": {}}  # fmt: skip
+    costs = launch_costs(res, 2)
+    zero2, ddp = costs["zero2"], costs["ddp_tuned"]
+    assert (zero2.fixed_s, zero2.group_s, zero2.tensor_s, zero2.byte_s) == pytest.approx(
+        (4e-3, 5e-3, 50e-6, 1e-9)
+    )
+    assert (zero2.reference_groups, zero2.reference_tensors, zero2.reference_bytes) == (3, 6, 240)
+    # DDP has no groups: its (wide - thin) / 132 tensors
+    assert (ddp.fixed_s, ddp.group_s, ddp.tensor_s) == pytest.approx((3e-3, 0.0, 50e-6))
 
 
 def test_the_parts_timed_between_steps_give_the_rates_worked_out_by_hand():
@@ -437,7 +463,7 @@ def advise_launch(tmp_path_factory):
     """One launch of 2 ranks runs every scenario of tests/scenarios/advise.py."""
     from tests.harness import launch
 
-    names = ("slowest_rank_timing", "tp_all_reduces", "all_reduce_timer")
+    names = ("slowest_rank_timing", "tp_all_reduces", "all_reduce_timer", "fsdp_cost_timer")
     scenarios = [f"tests.scenarios.advise:{n}" for n in names]
     return launch(scenarios, 2, tmp_path_factory.mktemp("advise"))
 
@@ -460,6 +486,35 @@ def test_tp_dp_cost_per_all_reduce_is_timed_as_the_slowest_rank_saw_it(advise_la
     assert all(g["left"] == [] and g["none"] is None for g in got)
     # real: paired's 12 all-reduces cost more than nothing, and both ranks report the same figure
     assert got[0]["real"] == got[1]["real"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_shards(advise_launch):
+    got = advise_launch.scenario("fsdp_cost_timer")
+    for name in ("zero2", "fsdp_blocks", "hsdp"):
+        costs = [g[name]["costs"] for g in got]
+        # every rank gets the same costs (each sample at its slowest rank's time); sharding adds a fixed cost
+        # (three groups gathered and reduce-scattered: milliseconds on gloo); the samples are used up
+        assert costs[0] == costs[1] and set(costs[0]) == {"fixed_s", "group_s"}, name
+        assert costs[0]["fixed_s"] > 0, (name, costs[0])
+        assert all(g[name]["left"] == [] for g in got)
+        # collectives follow the groups, not the tensors: wide has thin's groups
+        n = got[0][name]["collectives"]
+        assert n["wide"] == n["thin"], (name, n)
+    # by hand, per training step: each group is gathered in forward and reduce-scattered in backward, and
+    # gathered again in backward when resharded after forward (fsdp_blocks, every group, the root's too;
+    # not ZeRO-2). reference: 2 blocks + root, thin: 6 blocks + root
+    # made up: sharding added 13 - 1 ms to reference (rank 1's, the slower), 28 to thin, 53 to wide: 132 more
+    # tensors in wide than thin at (53 - 28) / 132 each; thin's 4 more groups less its 8 more tensors
+    tensor = (53 - 28) / 132
+    assert got[0]["made_up"] == got[1]["made_up"]
+    assert got[0]["made_up"] == pytest.approx(
+        {"fixed_s": 12e-3, "group_s": (28 - 12 - 8 * tensor) / 4 * 1e-3}
+    )
+    zero2 = {"reference": 3 * 2, "thin": 7 * 2, "wide": 7 * 2}
+    assert got[0]["zero2"]["collectives"] == zero2
+    fsdp = {"reference": 3 * 3, "thin": 7 * 3, "wide": 7 * 3}
+    assert got[0]["fsdp_blocks"]["collectives"] == fsdp
 
 
 @pytest.mark.timeout(180)

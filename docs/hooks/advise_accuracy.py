@@ -87,11 +87,18 @@ NOTES = """
   goes at the slowest one's pace; on `bert` under DDP that added 12 % to the compute). In one `gpt2` run
   the ratio of each measured step to the parts timed next to it had quartiles 0.92 / 0.98 / 1.04 while
   the steps themselves drifted from 4.6 to 7.5 ms. Every timing, on both sides, is the lower quartile of
-  its samples; the launch measures in 3 rounds and reports the median. Lightning's overhead and the
-  calibration models are timed in runs of their own, and their noise is what is left: a strategy's cost
-  is a difference of two steps (its calibration shape in one process and under the strategy), each of
-  which moves by 1-2 ms between runs under FSDP2, and whole launches of `bert` measured its ZeRO-2 step
-  at 28 ms in one run and 43 ms in the next.
+  its samples; the launch measures in 3 rounds and reports the median. What the FSDP strategies add is
+  timed there too (`lit_parallel/parallel/between_steps.py`): after each measured step of ZeRO-2,
+  `fsdp_blocks` or `hsdp`, every rank runs a training step of the `reference`, `thin` and `wide`
+  calibration shapes sharded as the strategy shards them and of each whole, and the fixed cost and the
+  cost per FSDP group come from those. Fitted from the calibration runs instead (Trainer steps of the
+  shapes a few seconds after the model's), the fixed cost came out 1-5 ms lower and the FSDP rows were
+  predicted short in 33 and 29 of 36 (two runs on 12 models); timed between the steps, 18 and 21 of 36,
+  median error 8.2 % and 8.7 % -> 4.2 % and 8.0 %, largest 26.9 % and 24.0 % -> 22.9 % and 16.5 %.
+  Lightning's overhead and the costs per tensor and per byte come from runs of their own, and their noise
+  is what is left: a strategy's cost is a difference of two steps, each of which moves by 1-2 ms between
+  runs under FSDP2, and whole launches of `bert` measured its ZeRO-2 step at 28 ms in one run and 43 ms
+  in the next.
 - **`hsdp` and `tp_dp`.** `hsdp` runs as 2 replicas of 1 rank (each rank a pretend node: both of its
   collectives run) and is predicted for 2 nodes of 1 device; with one rank per shard FSDP2 still gathers
   each block into a copy but makes no flat buffers. `tp_dp` runs the automatic plan over both ranks. Its
@@ -100,7 +107,7 @@ NOTES = """
   split and those it reads are whole, plus four copies of each row-wise layer's output at its forward
   all-reduce. Its step time is the one-process compute with the share of parameters the plan splits
   divided by 2, and a cost measured like the others' plus a cost per all-reduce of the plan, timed between
-  the model's own `tp_dp` steps (`lit_parallel/parallel/tp_timer.py`): after each measured step both ranks
+  the model's own `tp_dp` steps (`lit_parallel/parallel/between_steps.py`): after each measured step both ranks
   run a forward + backward of the `paired` calibration shape (6 blocks of a column-wise and a row-wise
   Linear at width 4, 12 all-reduces) and of `thin` (none), split by the plan in plain PyTorch, and the
   difference over 12 is the cost. Fitted from the calibration runs instead, a few seconds away from the

@@ -59,7 +59,7 @@ def tp_all_reduces(ctx) -> dict:
 def all_reduce_timer(ctx) -> dict:
     """tp_dp's :class:`AllReduceTimer` on both ranks: four real samples, then made-up ones (rank r's paired
     forward + backward takes 10 + r, 20 - r, 30 and 40 ms, its thin one 1, 2, 3 + r and 4 ms)."""
-    from lit_parallel.parallel.tp_timer import AllReduceTimer
+    from lit_parallel.parallel.between_steps import AllReduceTimer
 
     timer = AllReduceTimer()
     for _ in range(4):
@@ -69,3 +69,30 @@ def all_reduce_timer(ctx) -> dict:
     timer.samples = [(a * 1e-3, b * 1e-3) for a, b in [(10 + r, 1), (20 - r, 2), (30, 3 + r), (40, 4)]]
     made_up = timer.seconds()
     return {"real": real, "made_up": made_up, "left": timer.samples, "none": timer.seconds()}
+
+
+def fsdp_cost_timer(ctx) -> dict:
+    """The :class:`FSDPCostTimer` ``advise --verify`` builds for each FSDP strategy: three real samples, its
+    costs, and the gloo collectives torch's profiler records in one training step of each sharded shape."""
+    import torch
+
+    from lit_parallel.parallel.between_steps import between_step_timer
+
+    out = {}
+    for name in ("zero2", "fsdp_blocks", "hsdp"):
+        timer = between_step_timer(name, dist.get_world_size())
+        for _ in range(3):
+            timer.sample()
+        counted = []
+        for model, optimizer in timer.steps[: len(timer.shapes)]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                model(*timer.input).square().mean().backward()
+                optimizer.step()
+            counted.append(sum(e.name.startswith("gloo:") for e in prof.events()))
+        out[name] = {"costs": timer.costs(), "collectives": dict(zip(timer.shapes, counted, strict=True)),
+                     "left": timer.samples}  # fmt: skip
+    # made up, one sample (ms): sharded reference, thin, wide, then whole; rank 1's sharded reference is 1 ms
+    # slower than rank 0's
+    timer.samples = [[x * 1e-3 for x in (12 + dist.get_rank(), 30, 60, 1, 2, 7)]]
+    out["made_up"] = timer.costs()
+    return out
