@@ -318,8 +318,8 @@ def error_rows(
 def launch_costs(res: dict[str, Any], ranks: int) -> dict[str, StrategyCost]:
     """What each strategy added to a step in the launch ``res`` (:func:`~lit_parallel.advise_verify.launch`
     of ``ranks`` ranks): fitted from its calibration shapes against the same shapes in one process, timed in
-    the launch; the costs per call timed between the strategy's own steps (``tp_dp``'s per all-reduce, an
-    FSDP group's; :mod:`~lit_parallel.parallel.between_steps`) as timed there, where they were."""
+    the launch; the costs timed between the strategy's own steps (``tp_dp``'s per all-reduce, FSDP's fixed
+    and per group; :mod:`~lit_parallel.parallel.between_steps`) as timed there, where they were."""
     one_cal = res["alone"]["one_process"]
     costs = fit_costs(one_cal, {k: v for k, v in res["calibration"].items() if k != "pp_dp"})
     if "pp_dp" in res["calibration"]:

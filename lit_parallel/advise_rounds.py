@@ -34,8 +34,8 @@ def slowest_rank_timing(timer: Any) -> dict[str, Any] | None:
 
 
 def combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, Any]:
-    """The rounds' figures as one: medians of the seconds, of the parts' timings and of the costs per call
-    timed between the steps; the peaks of the first round (memory does not drift)."""
+    """The rounds' figures as one: medians of the seconds, of the parts' timings and of the costs timed
+    between the steps; the peaks of the first round (memory does not drift)."""
     med = statistics.median
     alone = [r["alone"] for r in rounds]
     out: dict[str, Any] = {"alone": {
@@ -49,7 +49,7 @@ def combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, 
             continue
         out[name] = {"peaks": got[0]["peaks"], "step_s": med(g["step_s"] for g in got),
                      "timing": median_timing_dict([g.get("timing") for g in got])}  # fmt: skip
-        timed = [g.get("timed_costs") or {} for g in got]  # costs per call timed between its steps
+        timed = [g.get("timed_costs") or {} for g in got]  # costs timed between its steps
         keys = {k for t in timed for k, v in t.items() if v is not None}
         if keys:
             out[name]["timed_costs"] = {k: med(t[k] for t in timed if t.get(k) is not None) for k in keys}

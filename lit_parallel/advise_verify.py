@@ -214,6 +214,22 @@ def strategy_object(name: str, ranks: int = 2):
     return lp.TunedDDPStrategy()
 
 
+def between_step_timer(name: str, ranks: int) -> Any:
+    """The :mod:`~lit_parallel.parallel.between_steps` timer of the strategy ``name`` as a launch of ``ranks``
+    verifies it (:func:`strategy_object`); ``None`` for ``ddp_tuned`` and ``pp_dp``. Every rank builds it at
+    once: it makes process groups."""
+    from lit_parallel.parallel.between_steps import AllReduceTimer, FSDPCostTimer
+    from lit_parallel.parallel.mesh import ParallelDims
+
+    if name == "tp_dp":
+        return AllReduceTimer()
+    if name in ("zero2", "fsdp_blocks"):
+        return FSDPCostTimer(ParallelDims.for_fsdp(ranks), reshard_after_forward=name == "fsdp_blocks")
+    if name == "hsdp":
+        return FSDPCostTimer(ParallelDims.for_hybrid_shard(ranks, hybrid_layout(ranks)[0]), True)
+    return None
+
+
 def peak_dict(peak: MemoryPeak) -> dict[str, int]:
     return {"total": peak.total, **{k: peak.by_category.get(k, 0) for k in CATEGORIES}}
 
@@ -231,7 +247,6 @@ def worker(args: argparse.Namespace) -> int:
 
     from lit_parallel.doctor import bus_bandwidth
     from lit_parallel.launch import write_result
-    from lit_parallel.parallel.between_steps import between_step_timer
     from lit_parallel.parallel.model_summary import load_model_class
 
     factory = load_model_class(args.model)
@@ -242,8 +257,8 @@ def worker(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
     plain = [n for n in names if n != "pp_dp"]
     timer = worker_timer(args, kwargs)
-    # each strategy's cost per call (tp_dp: all-reduce, FSDP: group), timed between its steps as the parts are
-    # (lit_parallel/parallel/between_steps.py); built on every rank at once: they make process groups
+    # what each strategy adds (tp_dp: per all-reduce; FSDP: fixed and per group), timed between its steps as
+    # the parts are (lit_parallel/parallel/between_steps.py); built on every rank at once: they make groups
     costs = {name: between_step_timer(name, dist.get_world_size()) for name in plain}
     # In rounds: Lightning's per-step overhead and the calibration shapes in one process, timed here on every
     # rank at once (ranks that share a machine's cores and memory compute more slowly than one process

@@ -82,8 +82,8 @@ class AllReduceTimer:
         return None if seconds is None else {"all_reduce_s": seconds}
 
     def seconds(self) -> float | None:
-        """Seconds per call: the lower quartile over the samples of ``(more - less) / calls``, each sample at
-        its slowest rank's time (every rank calls this; the samples are dropped, so the next run starts
+        """Seconds per all-reduce: the lower quartile over the samples of ``(paired - thin) / 12``, each sample
+        at its slowest rank's time (every rank calls this; the samples are dropped, so the next run starts
         afresh); ``None`` without samples."""
         import torch.distributed as dist
 
@@ -156,18 +156,3 @@ class FSDPCostTimer:
         per_tensor = max(0.0, (extra[2] - extra[1]) / (t_wide - t_thin))
         per_group = max(0.0, (extra[1] - extra[0] - per_tensor * (t_thin - t_ref)) / (g_thin - g_ref))
         return {"fixed_s": max(0.0, extra[0]), "group_s": per_group}
-
-
-def between_step_timer(name: str, ranks: int) -> AllReduceTimer | FSDPCostTimer | None:
-    """The timer of the strategy ``name`` as ``advise --verify`` launches it over ``ranks`` ranks (``None``:
-    ``ddp_tuned`` and ``pp_dp`` have none; every rank builds it at once: it makes process groups)."""
-    from lit_parallel.advise_verify import hybrid_layout
-    from lit_parallel.parallel.mesh import ParallelDims
-
-    if name == "tp_dp":
-        return AllReduceTimer()
-    if name in ("zero2", "fsdp_blocks"):
-        return FSDPCostTimer(ParallelDims.for_fsdp(ranks), reshard_after_forward=name == "fsdp_blocks")
-    if name == "hsdp":
-        return FSDPCostTimer(ParallelDims.for_hybrid_shard(ranks, hybrid_layout(ranks)[0]), True)
-    return None

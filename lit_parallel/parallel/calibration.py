@@ -30,9 +30,10 @@ is 0. ``tp_dp`` pays per all-reduce of its plan as well (one for each
 split layer, column-wise or row-wise, except a column-wise layer whose input needs no gradient; a model's
 attention splits three or four column-wise layers for each row-wise one):
 ``per tensor = (wide - paired) / 120`` (the same split layers) and ``per all-reduce = (paired - thin - 12
-x per tensor) / 12``. ``advise --verify`` replaces the latter, and the FSDP strategies' fixed and per-group
-costs, with the same shapes timed between the model's own steps (:mod:`~lit_parallel.parallel.between_steps`).
-``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and ``heavy`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a
+x per tensor) / 12``. ``advise --verify`` replaces the latter, and the FSDP strategies' fixed and
+per-group costs, with the same shapes timed between the model's own steps
+(:mod:`~lit_parallel.parallel.between_steps`). ``pp_dp`` runs the ``reference``, ``thin``, ``wide`` and
+``heavy`` shapes: what it adds, divided by that run's pipeline slots (micro-batches + stages - 1), is a
 cost per slot, per FSDP group, per parameter tensor and per parameter byte of the largest stage, per slot
 (:func:`fit_pipeline_cost`); its stage boundary transfers are priced by the measured bus bandwidth.
 """

@@ -76,7 +76,7 @@ def fsdp_cost_timer(ctx) -> dict:
     costs, and the gloo collectives torch's profiler records in one training step of each sharded shape."""
     import torch
 
-    from lit_parallel.parallel.between_steps import between_step_timer
+    from lit_parallel.advise_verify import between_step_timer
 
     out = {}
     for name in ("zero2", "fsdp_blocks", "hsdp"):
