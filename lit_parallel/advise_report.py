@@ -90,12 +90,15 @@ class Prediction:
         cost = (
             self.costs.get(strategy if own_cost else _COST_OF.get(strategy, strategy)) if self.costs else None
         )
+        root = r.shape.params - r.shape.block_params
         if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
             return comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                                busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups)  # fmt: skip
+                                busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups,
+                                root_params=root)  # fmt: skip
         if not own_cost:  # priced with another strategy's cost: its own bytes at the bus bandwidth
             sent = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                                busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups)  # fmt: skip
+                                busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups,
+                                root_params=root)  # fmt: skip
             calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
             more_calls = calls - collectives_per_step("fsdp_blocks", groups=self.groups, grad_bytes=grad)
             own = cost.seconds(self.groups, self.timing.tensors, cost.reference_bytes)  # no per-byte part

@@ -134,8 +134,10 @@ def test_the_predicted_step_adds_the_measured_strategy_cost():
     expected = 1e-3 + (tensors * 1e-5 + params / 2 * 1e-9) + comm + 5e-4
     assert got["comm_s"] == pytest.approx(comm) and got["step_s"] == pytest.approx(expected)
     # hsdp is priced with fsdp_blocks' cost without its per-byte part, plus its bytes over the bus and the
-    # latency of its replicas' all-reduce calls (one per group): on one node of 2 devices HSDP is FSDP
-    sent = estimate_comm_bytes(params, strategy="fsdp", world_size=2, grad_dtype=4) / 1e9
+    # latency of its replicas' all-reduce calls (one per group): on one node of 2 devices HSDP is FSDP (the
+    # root group, the parameters outside the 3 blocks, gathered once)
+    root = params - sum(p.numel() for p in model.blocks.parameters())
+    sent = estimate_comm_bytes(params, strategy="fsdp", world_size=2, grad_dtype=4, root_params=root) / 1e9
     hsdp_comm = sent + 4 * 1e-4 + 2e-3 + 1e-3 + (tensors - 6) * 1e-4
     assert pred.step_s("hsdp")["comm_s"] == pytest.approx(hsdp_comm)
     # without a measured cost the old pricing: every collective call pays the latency
@@ -502,8 +504,8 @@ def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_
         n = got[0][name]["collectives"]
         assert n["wide"] == n["thin"], (name, n)
     # by hand, per training step: each group is gathered in forward and reduce-scattered in backward, and
-    # gathered again in backward when resharded after forward (fsdp_blocks, every group, the root's too;
-    # not ZeRO-2). reference: 2 blocks + root, thin: 6 blocks + root
+    # gathered again in backward when resharded after forward (fsdp_blocks, every block; not the root, which
+    # stays gathered into backward; not ZeRO-2). reference: 2 blocks + root, thin: 6 blocks + root
     # made up: sharding added 13 - 1 ms to reference (rank 1's, the slower), 28 to thin, 53 to wide: 132 more
     # tensors in wide than thin at (53 - 28) / 132 each; thin's 4 more groups less its 8 more tensors
     tensor = (53 - 28) / 132
@@ -513,7 +515,7 @@ def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_
     )
     zero2 = {"reference": 3 * 2, "thin": 7 * 2, "wide": 7 * 2}
     assert got[0]["zero2"]["collectives"] == zero2
-    fsdp = {"reference": 3 * 3, "thin": 7 * 3, "wide": 7 * 3}
+    fsdp = {"reference": 3 * 3 - 1, "thin": 7 * 3 - 1, "wide": 7 * 3 - 1}
     assert got[0]["fsdp_blocks"]["collectives"] == fsdp
 
 

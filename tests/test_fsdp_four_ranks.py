@@ -18,7 +18,7 @@ from tests.harness import launch
 from tests.models import GPT
 from tests.reference import assert_rel_close, reference_training
 from tests.scenarios import fsdp as sc
-from tests.test_fsdp import GPT_PARAMS, GROUPS, assert_parity
+from tests.test_fsdp import GPT_PARAMS, GROUPS, ROOT_PARAMS, assert_parity
 
 pytestmark = pytest.mark.multiprocess
 WORLD = 4
@@ -77,9 +77,10 @@ def test_hsdp_reduce_scatters_inside_the_replica_and_all_reduces_across(run4):
             gathers = [x for x in records if x[0] == "all_gather"]
             scatters = [x for x in records if x[0] == "reduce_scatter"]
             reduces = [x for x in records if x[0] == "all_reduce"]
-            # 2 micro-batches x (forward + backward) x every group, over the 2 ranks of a replica
-            assert len(gathers) == 2 * 2 * GROUPS and {x[2] for x in gathers} == {shard}, rank
-            assert sum(x[1] for x in gathers) == 2 * 2 * 4 * GPT_PARAMS
+            # 2 micro-batches x every group in forward and every block in backward (the root stays gathered
+            # into backward), over the 2 ranks of a replica
+            assert len(gathers) == 2 * (2 * GROUPS - 1) and {x[2] for x in gathers} == {shard}, rank
+            assert sum(x[1] for x in gathers) == 2 * 4 * (2 * GPT_PARAMS - ROOT_PARAMS)
             assert len(scatters) == GROUPS and sum(x[1] for x in scatters) == 4 * GPT_PARAMS
             # each group's gradient shard (1/shard of it) is all-reduced over the replicas, once per step;
             # plus the scalar all-reduce of gradient clipping

@@ -54,6 +54,16 @@ def test_communication_formulas_zero3_is_1_5x_ddp_and_zero2_1x():
     # hsdp 2 x 4: ZeRO-3 inside the replica of 4, plus an all-reduce of the 1/4 gradient shard over 2
     hsdp = estimate_comm_bytes(P, strategy="hsdp", world_size=8, shard_size=4)
     assert hsdp == pytest.approx(3 / 4 * 3 * 4 * P + 2 * 1 / 2 * 4 * P / 4)
+    # a root group of a tenth of the parameters stays gathered into backward: gathered 1.9 times, not 2
+    root = P // 10
+    assert estimate_comm_bytes(P, strategy="fsdp", world_size=8, root_params=root) == pytest.approx(
+        7 / 8 * 4 * (2 * P - root + P)
+    )
+    assert estimate_comm_bytes(
+        P, strategy="fsdp", world_size=8, root_params=root, reshard_after_forward=False
+    ) / ddp == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"root_params=-1 must be between 0 and num_params="):
+        estimate_comm_bytes(P, strategy="fsdp", world_size=8, root_params=-1)
 
 
 def test_ring_bytes_of_one_collective():

@@ -19,6 +19,14 @@ measured steps, and prices the step with what it measured there:
   in 33 and 29 of 36 (two runs, 12 models); timed here, 18 and 21 of 36, median error 8.2 % and 8.7 % ->
   4.2 % and 8.0 %, largest 26.9 % and 24.0 % -> 22.9 % and 16.5 %. The costs per tensor and per byte stay
   the calibration's: timed here as well (with ``heavy``), the errors were no smaller (5.5 % and 6.6 %).
+
+``ddp_tuned`` has no timer here: its costs stay the calibration's. Timed the same way (``reference`` and
+``buffered`` in ``DistributedDataParallel`` and whole), the first all-reduce after the model's step waited
+for the other rank to finish that step, and the fixed cost came out 1.3-12 ms where the calibration says
+about 1 ms (14 models: median error 8.3 % -> 15.8 %, every row over); with a barrier before each timed step
+it matched the calibration within 0.3 ms (5 models), so timing it adds nothing. (The FSDP shapes' first
+collective waits in the same way; an FSDP step synchronises its ranks at every group, and the timed figures
+predict its steps better.)
 """
 
 from __future__ import annotations

@@ -85,8 +85,12 @@ def apply_fsdp(
         blocks: the blocks (modules, in module order; may be a generator that readies each block just
             before it is sharded, as :func:`~lit_parallel.parallel.parallelize` does), a block plan, or
             ``block_types`` for :func:`find_transformer_blocks`.
-        reshard_after_forward: ``True`` frees gathered parameters after forward and gathers them again in
-            backward (ZeRO-3); ``False`` keeps them until after backward (ZeRO-2). Applies to every group.
+        reshard_after_forward: ``True`` frees each block's gathered parameters after forward and gathers them
+            again in backward (ZeRO-3); ``False`` keeps them until after backward (ZeRO-2). The root group
+            (``module``'s own parameters) is never resharded after forward: its forward encloses every
+            block's, so its parameters are gathered all through forward either way, and backward needs
+            them first (torch's own choice for the root, ``fully_shard``'s ``reshard_after_forward=None``):
+            one all-gather less per step, the same peak.
         mp_policy: FSDP2 mixed-precision policy (``None``: compute in the parameters' dtype).
         offload: FSDP2 offload policy (``None``: keep everything on the device).
         forward_methods: methods of ``module`` besides ``forward`` that run the model
@@ -105,7 +109,7 @@ def apply_fsdp(
         kwargs["offload_policy"] = offload
     for block in blocks:
         fully_shard(block, **kwargs)
-    fully_shard(module, **kwargs)
+    fully_shard(module, **{**kwargs, "reshard_after_forward": False})
     for name in forward_methods:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)

@@ -136,13 +136,16 @@ def estimate_comm_bytes(
     grad_dtype: torch.dtype | int = torch.float32,
     param_dtype: torch.dtype | int | None = None,
     reshard_after_forward: bool = True,
+    root_params: int = 0,
 ) -> float:
     """Bytes each rank sends per optimizer step (ring collectives, no gradient accumulation).
 
     ``ddp``: one all-reduce of the gradients. ``fsdp``: an all-gather of the parameters in forward, another
-    in backward when ``reshard_after_forward`` (ZeRO-3; not with ZeRO-2), and a reduce-scatter of the
-    gradients. ``hsdp``: the same over ``shard_size`` ranks plus an all-reduce of the gradient shards over
-    the replicas. Padding of dimension 0 to a multiple of the shard size is not included.
+    in backward when ``reshard_after_forward`` (ZeRO-3; not with ZeRO-2) except of the ``root_params`` of
+    the root group (the parameters outside blocks: they stay gathered from forward into backward), and a
+    reduce-scatter of the gradients. ``hsdp``: the same over ``shard_size`` ranks plus an all-reduce of the
+    gradient shards over the replicas. Padding of dimension 0 to a multiple of the shard size is not
+    included.
     """
     g = _dtype_bytes(grad_dtype) * num_params
     p = _dtype_bytes(param_dtype or grad_dtype) * num_params
@@ -152,8 +155,12 @@ def estimate_comm_bytes(
     if strategy not in ("fsdp", "zero3", "zero2", "hsdp"):
         raise ValueError(f"strategy={strategy!r} is not one of 'ddp', 'fsdp', 'zero2', 'zero3', 'hsdp'")
     s = shard_size or n
-    gathers = 2 if (reshard_after_forward and strategy != "zero2") else 1
-    sent = (s - 1) / s * (gathers * p + g)
+    if not 0 <= root_params <= num_params:
+        raise ValueError(f"root_params={root_params} must be between 0 and num_params={num_params}")
+    gathered = p
+    if reshard_after_forward and strategy != "zero2":  # gathered again in backward, all but the root
+        gathered += p * (num_params - root_params) / num_params if num_params else 0.0
+    sent = (s - 1) / s * (gathered + g)
     replicas = n // s
     if replicas > 1:
         sent += 2 * (replicas - 1) / replicas * g / s

@@ -323,9 +323,10 @@ def collectives_per_step(strategy: str, *, groups: int, grad_bytes: float, bucke
 
 def comm_seconds(
     strategy: str, params: int, *, devices: int, nodes: int, grad_bytes: int, busbw_gbps: float,
-    latency_s: float = 0.0, groups: int = 1,
+    latency_s: float = 0.0, groups: int = 1, root_params: int = 0,
 ) -> float:  # fmt: skip
-    """Seconds of one step's collectives for ``strategy``: calls x latency + bytes sent / bus bandwidth."""
+    """Seconds of one step's collectives for ``strategy``: calls x latency + bytes sent / bus bandwidth
+    (``root_params``: the parameters outside blocks, which FSDP gathers once per step)."""
     world = devices * nodes
     if world == 1 or strategy == "one_process":
         return 0.0
@@ -338,6 +339,7 @@ def comm_seconds(
     )  # tp_dp: FSDP over nodes (TP traffic inside a node not counted)
     if n == 1:
         return 0.0
-    sent = estimate_comm_bytes(params, strategy=kind, world_size=n, shard_size=shard, grad_dtype=grad_bytes)
+    sent = estimate_comm_bytes(params, strategy=kind, world_size=n, shard_size=shard, grad_dtype=grad_bytes,
+                               root_params=root_params if kind in ("fsdp", "hsdp") else 0)  # fmt: skip
     calls = collectives_per_step(strategy, groups=groups, grad_bytes=params * grad_bytes)
     return calls * latency_s + sent / (busbw_gbps * 1e9)

@@ -75,9 +75,11 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
             parameters (see :func:`~lit_parallel.parallel.find_transformer_blocks`). Or a set of classes,
             class names (``{"GPTBlock"}``, handy in YAML) or import paths, or a predicate
             ``fn(module) -> bool``.
-        reshard_after_forward: ``True`` (default, ZeRO-3): free gathered parameters after forward and
-            gather again in backward, on every group including the root. ``False`` (ZeRO-2): keep them
-            until backward ends (one all-gather per step instead of two, more memory).
+        reshard_after_forward: ``True`` (default, ZeRO-3): free each block's gathered parameters after
+            forward and gather them again in backward; the root group (the parameters outside blocks) stays
+            gathered from forward into backward, which needs it first (torch's choice for the root: one
+            all-gather less, the same peak). ``False`` (ZeRO-2): keep every group gathered until backward
+            ends (one all-gather per step instead of two, more memory).
         mixed_precision: an explicit ``torch.distributed.fsdp.MixedPrecisionPolicy``. Normally leave it
             ``None`` and use the Trainer's ``precision``: ``"32-true"`` (no casting), ``"bf16-mixed"``
             (FSDP computes and all-gathers in bf16 and reduces gradients in fp32; Lightning's autocast is
