@@ -148,7 +148,8 @@ def estimate_comm_bytes(
     included.
     """
     g = _dtype_bytes(grad_dtype) * num_params
-    p = _dtype_bytes(param_dtype or grad_dtype) * num_params
+    param_bytes = _dtype_bytes(param_dtype or grad_dtype)
+    p = param_bytes * num_params
     n = world_size
     if strategy == "ddp":
         return 2 * (n - 1) / n * g
@@ -159,7 +160,7 @@ def estimate_comm_bytes(
         raise ValueError(f"root_params={root_params} must be between 0 and num_params={num_params}")
     gathered = p
     if reshard_after_forward and strategy != "zero2":  # gathered again in backward, all but the root
-        gathered += p * (num_params - root_params) / num_params if num_params else 0.0
+        gathered += param_bytes * (num_params - root_params)
     sent = (s - 1) / s * (gathered + g)
     replicas = n // s
     if replicas > 1:

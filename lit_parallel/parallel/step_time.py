@@ -340,6 +340,6 @@ def comm_seconds(
     if n == 1:
         return 0.0
     sent = estimate_comm_bytes(params, strategy=kind, world_size=n, shard_size=shard, grad_dtype=grad_bytes,
-                               root_params=root_params if kind in ("fsdp", "hsdp") else 0)  # fmt: skip
+                               root_params=root_params)  # fmt: skip
     calls = collectives_per_step(strategy, groups=groups, grad_bytes=params * grad_bytes)
     return calls * latency_s + sent / (busbw_gbps * 1e9)
