@@ -114,7 +114,9 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     slot_s = [w.ops * t.ops * t.op_s + w.flops * t.flops / m * t.flop_s for w in work]
     cost = (pred.costs or {}).get("pp_dp")  # measured per slot by advise --verify's calibration
     groups, tensors = max(w.groups for w in work), max(w.tensors for w in work)
-    transfer = transfer_seconds(pipe.boundary_bytes, pred.latency_s, pred.busbw_gbps)
+    # the measured cost per slot already holds the calibration's transfers (one each way of a few bytes,
+    # latency and all): only the model's bytes are added to it; without one, a latency each way as well
+    transfer = transfer_seconds(pipe.boundary_bytes, 0.0 if cost else pred.latency_s, pred.busbw_gbps)
     grad = 4 if pred.report.precision == "32-true" else 2
     per_slot = (
         pipeline_slot_s(cost, groups, tensors, share * pred.report.shape.params * grad) if cost else 0.0

@@ -300,10 +300,12 @@ def print_prediction(pred: Prediction, console: Any) -> None:
 
 
 def error_rows(
-    strategy: str, predicted: Any, measured: Any, step_pred: dict[str, float | None], step_meas: float
-) -> list[dict]:
+    strategy: str, predicted: Any, measured: Any, step_pred: dict[str, float | None], step_meas: float,
+    rounds: list[tuple[float, float]] | None = None,
+) -> list[dict]:  # fmt: skip
     """One row per figure: predicted, measured, relative error, within target; ``step_pred`` is
-    :meth:`Prediction.step_s`'s split (the step row keeps it as ``parts``)."""
+    :meth:`Prediction.step_s`'s split (the step row keeps it as ``parts``). ``rounds``: each round's
+    predicted and measured step seconds (:func:`paired_step`), which then give the step row's figures."""
     rows = []
     for cat in (*CATEGORIES, "total"):
         pv = predicted.total if cat == "total" else getattr(predicted, cat)
@@ -312,10 +314,26 @@ def error_rows(
         rows.append({"strategy": strategy, "figure": f"peak {cat}", "predicted": pv, "measured": mv, "error": err,
                      "ok": None if cat != "total" else err is not None and err <= MEMORY_TARGET})  # fmt: skip
     if step_pred["step_s"] is not None:
-        err = abs(step_pred["step_s"] - step_meas) / step_meas
-        rows.append({"strategy": strategy, "figure": "step time s", "predicted": step_pred["step_s"],
-                     "measured": step_meas, "error": err, "ok": err <= TIME_TARGET, "parts": step_pred})  # fmt: skip
+        step = {"predicted": step_pred["step_s"], "measured": step_meas,
+                "error": abs(step_pred["step_s"] - step_meas) / step_meas}  # fmt: skip
+        if rounds and all(p is not None for p, _ in rounds):
+            step = paired_step(rounds)
+        rows.append({"strategy": strategy, "figure": "step time s", **step, "ok": step["error"] <= TIME_TARGET,
+                     "parts": step_pred})  # fmt: skip
     return rows
+
+
+def paired_step(rounds: list[tuple[float, float]]) -> dict[str, Any]:
+    """The step row of several rounds, each a ``(predicted, measured)`` pair of seconds: the prediction made
+    from what was timed in a round against the step measured in the same round (this machine's speed drifts
+    by tens of percent within seconds; a round's parts and steps see the same drift). ``predicted`` and
+    ``measured``: the medians over the rounds; ``error``: the relative error of the median round (the median
+    of ``predicted / measured``, less 1, as a magnitude); ``round_errors``: every round's signed error."""
+    import statistics
+
+    signed = [p / m - 1 for p, m in rounds]
+    return {"predicted": statistics.median(p for p, _ in rounds), "measured": statistics.median(m for _, m in rounds),
+            "error": abs(statistics.median(signed)), "round_errors": signed}  # fmt: skip
 
 
 def launch_costs(res: dict[str, Any], ranks: int) -> dict[str, StrategyCost]:
@@ -337,7 +355,7 @@ def launch_costs(res: dict[str, Any], ranks: int) -> dict[str, StrategyCost]:
 def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[list[dict], dict[str, Any]]:
     """Measure one process (and a launch of ``args.verify_ranks`` ranks) and compare with the prediction.
     Returns the rows and what the launch measured of the cluster (bus bandwidth, latency, strategy costs)."""
-    from lit_parallel.advise_verify import launch, peak_from, real_inputs, vocabulary
+    from lit_parallel.advise_verify import launch, real_inputs, vocabulary
     from lit_parallel.parallel.example_inputs import meta_example_input
     from lit_parallel.parallel.model_summary import load_model_class
 
@@ -356,64 +374,87 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
     if unit is not False:
         timer = PartsTimer(module, block_name=unit, batch_size=args.batch_size, seq_len=args.seq_len,
                            example_inputs=given)  # fmt: skip
-    peak, step_s = _one_process_rounds(one, model, real_inputs(ex.args, vocabulary(model)), timer)
+    peak, step_s, pairs = _one_process_rounds(one, model, real_inputs(ex.args, vocabulary(model)), timer)
     cluster: dict[str, Any] = {}
-    rows = error_rows("one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s)
+    rows = error_rows("one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s,
+                      rounds=pairs if len(pairs) > 1 else None)  # fmt: skip
     if args.verify_ranks > 1:
-        n = args.verify_ranks
-        res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=n, batch_size=args.batch_size,
-                     seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
+        res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=args.verify_ranks,
+                     batch_size=args.batch_size, seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
                      input_shape=args.input_shape, timing_unit=None if timer is None else (unit or ""))  # fmt: skip
-        multi = predict(path, kwargs, precision="32-true", devices=n, nodes=1, batch_size=args.batch_size,
-                        seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=res["busbw_gbps"],
-                        latency_s=res["latency_s"], input_shape=args.input_shape)  # fmt: skip
-        # Lightning's overhead and the calibration shapes in one process, as timed in the launch (every rank
-        # at once): the ranks' own speed on this machine; each strategy's compute and AdamW were timed
-        # between its own steps (its row's "timing")
-        multi.overhead_s = res["alone"]["overhead_s"]
-        multi.costs = launch_costs(res, n)
-        cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
-                   "strategy_costs": {k: c.as_dict() for k, c in multi.costs.items()}}  # fmt: skip
-        hybrid, hybrid_label = _hsdp_prediction(path, kwargs, args, res, multi)
-        for strategy, got in res.items():
-            if strategy in ("busbw_gbps", "latency_s", "calibration", "alone"):
-                continue
-            if "error" in got:
-                console.print(f"[yellow]note[/yellow]: {strategy} not measured: {escape(got['error'])}")
-                continue
-            if strategy not in multi.report.peaks:  # pp_dp on a model it does not predict: the notes say why
-                continue
-            pred, label = (hybrid, hybrid_label) if strategy == "hsdp" else (multi, f"{strategy} x{n}")
-            measured = max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total)
-            timed = replace(pred, timing=StepTime(**got["timing"]) if got.get("timing") else None)
-            rows += error_rows(
-                label, pred.report.peaks[strategy], measured, timed.step_s(strategy), got["step_s"]
-            )
+        launched, cluster = launch_rows(path, kwargs, args, res, console)
+        rows += launched
     return rows, cluster
 
 
-def _hsdp_prediction(
-    path: str, kwargs: dict[str, Any], args: Any, res: dict[str, Any], multi: Prediction
-) -> tuple[Prediction, str]:
-    """hsdp runs as two replicas (hybrid_layout): predicted as that many nodes of shard ranks each, with the
-    launch's ``multi`` prediction's overhead and strategy costs; and the label of its rows."""
-    from lit_parallel.advise_verify import hybrid_layout
+def launch_rows(
+    path: str, kwargs: dict[str, Any], args: Any, res: dict[str, Any], console: Any
+) -> tuple[list[dict], dict[str, Any]]:
+    """The rows of a launch's strategies (``res``, :func:`~lit_parallel.advise_verify.launch` of
+    ``args.verify_ranks`` ranks): predicted with what the launch measured of the machine, against what it
+    measured of each strategy, the step time round by round (:func:`paired_step`); and what it measured of
+    the cluster."""
+    from lit_parallel.advise_rounds import combine_rounds
+    from lit_parallel.advise_verify import hybrid_layout, peak_from
 
-    shard, replicas = hybrid_layout(args.verify_ranks)
-    hybrid = predict(path, kwargs, precision="32-true", devices=shard, nodes=replicas,
-                     batch_size=args.batch_size, seq_len=args.seq_len, device_type="cpu", step_time=False,
-                     busbw_gbps=res["busbw_gbps"], latency_s=res["latency_s"],
-                     input_shape=args.input_shape)  # fmt: skip
-    hybrid.overhead_s, hybrid.costs = multi.overhead_s, multi.costs
-    return hybrid, f"hsdp {replicas}x{shard}"
+    n = args.verify_ranks
+    shard, replicas = hybrid_layout(n)  # hsdp runs as two replicas: that many nodes of shard ranks each
+    preds = {}
+    for name, devices, nodes in (("multi", n, 1), ("hsdp", shard, replicas)):
+        preds[name] = predict(path, kwargs, precision="32-true", devices=devices, nodes=nodes,
+                              batch_size=args.batch_size, seq_len=args.seq_len, device_type="cpu", step_time=False,
+                              busbw_gbps=res["busbw_gbps"], latency_s=res["latency_s"],
+                              input_shape=args.input_shape)  # fmt: skip
+    measured = {}  # what the launch measured of each strategy it predicts
+    for strategy, got in res.items():
+        if strategy in ("busbw_gbps", "latency_s", "calibration", "alone", "rounds"):
+            continue
+        if "error" in got:
+            console.print(f"[yellow]note[/yellow]: {strategy} not measured: {escape(got['error'])}")
+        elif strategy in preds["multi"].report.peaks:  # pp_dp may not be: the notes say why
+            measured[strategy] = got
+    whole = _predicted_steps(res, list(measured), preds, n)
+    rounds = [
+        combine_rounds([r], [k for k in r if k != "alone" and "." not in k]) for r in res.get("rounds", [])
+    ]
+    by_round = [(_predicted_steps(r, list(measured), preds, n), r) for r in rounds]
+    rows: list[dict] = []
+    for strategy, got in measured.items():
+        label = f"hsdp {replicas}x{shard}" if strategy == "hsdp" else f"{strategy} x{n}"
+        peak = preds.get(strategy, preds["multi"]).report.peaks[strategy]
+        pairs = [(s[strategy]["step_s"], r[strategy]["step_s"]) for s, r in by_round if strategy in s]
+        rows += error_rows(label, peak, max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total),
+                           whole[strategy], got["step_s"], rounds=pairs if len(pairs) > 1 else None)  # fmt: skip
+    cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
+               "strategy_costs": {k: c.as_dict() for k, c in launch_costs(res, n).items()}}  # fmt: skip
+    return rows, cluster
+
+
+def _predicted_steps(
+    figures: dict[str, Any], strategies: list[str], preds: dict[str, Prediction], ranks: int
+) -> dict[str, dict[str, float | None]]:
+    """Each of ``strategies``' predicted step (:meth:`Prediction.step_s`'s split) from ``figures``, a
+    launch's or one round's: Lightning's overhead and the calibration shapes in one process as timed in the
+    launch (every rank at once: the ranks' own speed on this machine), and each strategy's compute and
+    AdamW timed between its own steps (its ``timing``). ``preds``: the predictions of the launch's layout
+    (``multi``) and of ``hsdp``'s."""
+    costs = launch_costs(figures, ranks)
+    out = {}
+    for strategy in strategies:
+        if strategy in figures:
+            timing = figures[strategy].get("timing")
+            pred = replace(preds.get(strategy, preds["multi"]), overhead_s=figures["alone"]["overhead_s"],
+                           costs=costs, timing=StepTime(**timing) if timing else None)  # fmt: skip
+            out[strategy] = pred.step_s(strategy)
+    return out
 
 
 def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer: PartsTimer | None):
     """The one-process step measured in rounds, each after timing Lightning's overhead, with ``timer``
     timing the prediction's parts between the measured steps: this machine's speed drifts by tens of percent
-    within a second, so the prediction (the medians over the rounds, written into ``one``) and the
-    measurement (the median of the rounds) see it at the same moments. Returns the first round's peak and
-    the median step seconds."""
+    within a second, so the prediction and the measurement see it at the same moments. Writes the medians
+    of the parts over the rounds into ``one``; returns the first round's peak, the median step seconds and
+    each round's ``(predicted, measured)`` step seconds (:func:`paired_step`; empty without ``timer``)."""
     import statistics
 
     from lit_parallel.advise_rounds import parts_timing
@@ -427,10 +468,15 @@ def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer:
         peak = got if peak is None else peak
         steps.append(step_s)
         timings.append(parts_timing(timer))
-    if timer is not None:
-        one.timing = median_timing([StepTime(**t) for t in timings])
-        one.overhead_s = statistics.median(overheads)
-    return peak, statistics.median(steps)
+    if timer is None:
+        return peak, statistics.median(steps), []
+    pairs = [
+        (replace(one, timing=StepTime(**t), overhead_s=o).step_s("one_process")["step_s"], m)
+        for t, o, m in zip(timings, overheads, steps, strict=True)
+    ]
+    one.timing = median_timing([StepTime(**t) for t in timings])
+    one.overhead_s = statistics.median(overheads)
+    return peak, statistics.median(steps), pairs
 
 
 def print_verification(rows: list[dict], console: Any) -> None:
@@ -438,7 +484,15 @@ def print_verification(rows: list[dict], console: Any) -> None:
 
     table = Table(title=f"predicted vs measured on this machine (targets: peak within {MEMORY_TARGET:.0%}, "
                         f"step time within {TIME_TARGET:.0%})")  # fmt: skip
-    for col in ("strategy", "figure", "predicted", "measured", "error", "within target"):
+    for col in (
+        "strategy",
+        "figure",
+        "predicted",
+        "measured",
+        "error",
+        "within target",
+        "each round's error",
+    ):
         table.add_column(col, justify="left" if col in ("strategy", "figure") else "right")
     for row in rows:
         fmt = (
@@ -448,7 +502,10 @@ def print_verification(rows: list[dict], console: Any) -> None:
         )
         err = "-" if row["error"] is None else f"{row['error']:.1%}"
         ok = {True: "[green]yes[/green]", False: "[red]no[/red]", None: ""}[row["ok"]]
-        table.add_row(row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"]), err, ok)
+        each = " ".join(f"{e:+.0%}" for e in row.get("round_errors", []))
+        table.add_row(
+            row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"]), err, ok, each
+        )
     console.print(table)
 
 

@@ -298,6 +298,68 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
     assert pipeline_slot_s(cost, 3, 26, 1e6) == pytest.approx(1e-3 + 3 * 0.5e-3 + 26 * 40e-6 + 1e-3)
 
 
+def test_pp_dp_transfers_pay_the_latency_only_where_no_measured_cost_per_slot_holds_it():
+    from dataclasses import replace
+
+    from lit_parallel.advise_report import predict
+    from lit_parallel.parallel.calibration import StrategyCost
+    from lit_parallel.parallel.step_time import StepTime
+
+    pred = predict("tests.conformance_models:ResidualSequentialNet", {}, precision="32-true", devices=2, nodes=1,
+                   batch_size=8, seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=0.0,
+                   input_shape=(16,))  # fmt: skip
+    pipe = pred.report.pipeline
+    # 2 stages, 8 micro-batches of 1 sample: 9 slots, each sending a 1 x 32 fp32 activation forward and its
+    # gradient back
+    assert (pipe.layout.stages, pipe.layout.microbatches, pipe.layout.micro_batch) == (2, 8, 1)
+    assert pipe.boundary_bytes == 1 * 32 * 4
+    pred.timing = StepTime(block_s=1e-3, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
+                           optimizer_element_s=1e-9, tensors=20, elements=1000, block_description="x")  # fmt: skip
+    slow = replace(pred, latency_s=1e-3)
+    # without a measured cost each transfer pays the latency: 9 slots x 2 x 1 ms more
+    assert slow.step_s("pp_dp")["comm_s"] - pred.step_s("pp_dp")["comm_s"] == pytest.approx(9 * 2 * 1e-3)
+    # the cost per slot measured on the calibration shapes holds their own transfers (a few bytes each, the
+    # latency and all): only the model's bytes are added to it, whatever the latency
+    cost = {"pp_dp": StrategyCost(0.0, 0.0, 0.0, 3, 6, slot_s=2e-3)}
+    fast, slow = replace(pred, costs=cost), replace(slow, costs=cost)
+    expected = 9 * (2e-3 + 2 * 128 / 1e9)
+    assert fast.step_s("pp_dp")["comm_s"] == pytest.approx(expected)
+    assert slow.step_s("pp_dp")["comm_s"] == pytest.approx(expected)
+
+
+def test_each_round_is_predicted_against_its_own_step_and_the_median_round_is_the_error():
+    from types import SimpleNamespace
+
+    from lit_parallel.advise_report import error_rows, paired_step
+    from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
+
+    # three rounds; the machine ran at half speed in the second, for its parts and its steps alike
+    # (predicted, measured): each round's ratio is 1.2, 1.2 and 0.9; the median round is 20 % over
+    got = paired_step([(6e-3, 5e-3), (12e-3, 10e-3), (4.5e-3, 5e-3)])
+    assert got["predicted"] == 6e-3 and got["measured"] == 5e-3
+    assert got["error"] == pytest.approx(0.2)
+    assert got["round_errors"] == pytest.approx([0.2, 0.2, -0.1])
+    # the step row of error_rows takes them (the row's split stays the prediction from the rounds' medians);
+    # a median round 30 % short misses the 25 % target
+    predicted, peak = SimpleNamespace(total=100, **dict.fromkeys(CATEGORIES, 0)), MemoryPeak(100, {})
+    split = {"compute_s": 3e-3, "optimizer_s": 1e-3, "comm_s": 1e-3, "step_s": 5.5e-3}
+
+    def step_row(rounds=None):
+        (row,) = [
+            r for r in error_rows("x", predicted, peak, split, 5e-3, rounds) if r["figure"].startswith("step")
+        ]
+        return row
+
+    step = step_row([(6e-3, 5e-3), (12e-3, 10e-3), (4.5e-3, 5e-3)])
+    assert (step["predicted"], step["ok"], step["parts"]) == (6e-3, True, split)
+    assert step["error"] == pytest.approx(0.2)
+    step = step_row([(7e-3, 10e-3), (3.5e-3, 5e-3), (4.9e-3, 5e-3)])
+    assert step["error"] == pytest.approx(0.3) and step["ok"] is False
+    # without rounds: the one prediction against the one measurement
+    step = step_row()
+    assert step["error"] == pytest.approx(0.1) and "round_errors" not in step
+
+
 def test_an_uneven_pipeline_waits_for_its_slowest_stage():
     from lit_parallel.parallel.pipeline_time import uneven_pipeline_step
 
