@@ -44,8 +44,9 @@ def combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, 
     }, "calibration": {}}  # fmt: skip
     for name in plain:
         got = [r[name] for r in rounds if name in r]
-        if "error" in got[0]:
-            out[name] = got[0]
+        failed = [g for g in got if "error" in g]
+        if failed:  # in any round (the later rounds skip it): the strategy is reported as failed
+            out[name] = failed[0]
             continue
         out[name] = {"peaks": got[0]["peaks"], "step_s": med(g["step_s"] for g in got),
                      "timing": median_timing_dict([g.get("timing") for g in got])}  # fmt: skip

@@ -442,6 +442,10 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
     assert ddp["timing"]["block_s"] == 2e-3 and ddp["timing"]["op_s"] == 2e-5
     assert out["calibration"] == {"ddp_tuned": {"reference": 4e-3}}  # zero2 failed: no calibration
     assert out["zero2"] == {"error": "RuntimeError: no"}
+    # a strategy that failed in a later round only (the rounds after it skip it) is reported as failed
+    rounds[1]["ddp_tuned"] = {"error": "RuntimeError: later"}
+    del rounds[2]["ddp_tuned"]
+    assert combine_rounds(rounds, ["ddp_tuned"])["ddp_tuned"] == {"error": "RuntimeError: later"}
 
 
 def test_a_launch_prices_each_strategy_with_the_costs_timed_between_its_steps():
