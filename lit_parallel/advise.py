@@ -256,13 +256,8 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
     """Peak memory and step time of every strategy; with ``--verify``, predicted vs measured here."""
     from rich.console import Console
 
-    from lit_parallel.advise_report import (
-        predict,
-        print_cluster,
-        print_prediction,
-        print_verification,
-        verify,
-    )
+    from lit_parallel.advise_compare import print_cluster, print_verification, verify
+    from lit_parallel.advise_report import predict, print_prediction
     from lit_parallel.parallel.example_inputs import NoExampleInput
 
     console = Console()

@@ -330,7 +330,7 @@ def test_pp_dp_transfers_pay_the_latency_only_where_no_measured_cost_per_slot_ho
 def test_each_round_is_predicted_against_its_own_step_and_the_median_round_is_the_error():
     from types import SimpleNamespace
 
-    from lit_parallel.advise_report import error_rows, paired_step
+    from lit_parallel.advise_compare import error_rows, paired_step
     from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
 
     # three rounds; the machine ran at half speed in the second, for its parts and its steps alike
@@ -449,7 +449,7 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
 
 
 def test_a_launch_prices_each_strategy_with_the_costs_timed_between_its_steps():
-    from lit_parallel.advise_report import launch_costs
+    from lit_parallel.advise_compare import launch_costs
 
     # the calibration runs (one process: 1 ms per shape) say 3 ms fixed, 2 ms per group, 50 us per tensor and
     # 1 ms per MB under both strategies; between zero2's steps the machine was slower: 4 ms fixed, 5 ms per
