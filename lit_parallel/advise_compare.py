@@ -36,7 +36,8 @@ def error_rows(
 ) -> list[dict]:  # fmt: skip
     """One row per figure: predicted, measured, relative error, within target; ``step_pred`` is
     :meth:`Prediction.step_s`'s split (the step row keeps it as ``parts``). ``rounds``: each round's
-    predicted and measured step seconds (:func:`paired_step`), which then give the step row's figures."""
+    predicted and measured step seconds (:func:`paired_step`): with more than one, they give the step row's
+    figures."""
     rows = []
     for cat in (*CATEGORIES, "total"):
         pv = predicted.total if cat == "total" else getattr(predicted, cat)
@@ -45,10 +46,11 @@ def error_rows(
         rows.append({"strategy": strategy, "figure": f"peak {cat}", "predicted": pv, "measured": mv, "error": err,
                      "ok": None if cat != "total" else err is not None and err <= MEMORY_TARGET})  # fmt: skip
     if step_pred["step_s"] is not None:
-        step = {"predicted": step_pred["step_s"], "measured": step_meas,
-                "error": abs(step_pred["step_s"] - step_meas) / step_meas}  # fmt: skip
-        if rounds and all(p is not None for p, _ in rounds):
+        if rounds and len(rounds) > 1 and all(p is not None for p, _ in rounds):
             step = paired_step(rounds)
+        else:
+            step = {"predicted": step_pred["step_s"], "measured": step_meas,
+                    "error": abs(step_pred["step_s"] - step_meas) / step_meas}  # fmt: skip
         rows.append({"strategy": strategy, "figure": "step time s", **step, "ok": step["error"] <= TIME_TARGET,
                      "parts": step_pred})  # fmt: skip
     return rows
@@ -107,8 +109,9 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
                            example_inputs=given)  # fmt: skip
     peak, step_s, pairs = _one_process_rounds(one, model, real_inputs(ex.args, vocabulary(model)), timer)
     cluster: dict[str, Any] = {}
-    rows = error_rows("one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s,
-                      rounds=pairs if len(pairs) > 1 else None)  # fmt: skip
+    rows = error_rows(
+        "one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s, pairs
+    )
     if args.verify_ranks > 1:
         res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=args.verify_ranks,
                      batch_size=args.batch_size, seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
@@ -144,32 +147,33 @@ def launch_rows(
             console.print(f"[yellow]note[/yellow]: {strategy} not measured: {escape(got['error'])}")
         elif strategy in preds["multi"].report.peaks:  # pp_dp may not be: the notes say why
             measured[strategy] = got
-    whole = _predicted_steps(res, list(measured), preds, n)
-    rounds = [
-        combine_rounds([r], [k for k in r if k != "alone" and "." not in k]) for r in res.get("rounds", [])
-    ]
-    by_round = [(_predicted_steps(r, list(measured), preds, n), r) for r in rounds]
+    costs = launch_costs(res, n)
+    whole = _predicted_steps(res, list(measured), preds, costs)
+    rounds = [combine_rounds([r], [s for s in measured if s in r]) for r in res.get("rounds", [])]
+    by_round = [(_predicted_steps(r, list(measured), preds, launch_costs(r, n)), r) for r in rounds]
     rows: list[dict] = []
     for strategy, got in measured.items():
         label = f"hsdp {replicas}x{shard}" if strategy == "hsdp" else f"{strategy} x{n}"
         peak = preds.get(strategy, preds["multi"]).report.peaks[strategy]
         pairs = [(s[strategy]["step_s"], r[strategy]["step_s"]) for s, r in by_round if strategy in s]
         rows += error_rows(label, peak, max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total),
-                           whole[strategy], got["step_s"], rounds=pairs if len(pairs) > 1 else None)  # fmt: skip
+                           whole[strategy], got["step_s"], pairs)  # fmt: skip
     cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
-               "strategy_costs": {k: c.as_dict() for k, c in launch_costs(res, n).items()}}  # fmt: skip
+               "strategy_costs": {k: c.as_dict() for k, c in costs.items()}}  # fmt: skip
     return rows, cluster
 
 
 def _predicted_steps(
-    figures: dict[str, Any], strategies: list[str], preds: dict[str, Prediction], ranks: int
+    figures: dict[str, Any],
+    strategies: list[str],
+    preds: dict[str, Prediction],
+    costs: dict[str, StrategyCost],
 ) -> dict[str, dict[str, float | None]]:
     """Each of ``strategies``' predicted step (:meth:`Prediction.step_s`'s split) from ``figures``, a
     launch's or one round's: Lightning's overhead and the calibration shapes in one process as timed in the
     launch (every rank at once: the ranks' own speed on this machine), and each strategy's compute and
     AdamW timed between its own steps (its ``timing``). ``preds``: the predictions of the launch's layout
-    (``multi``) and of ``hsdp``'s."""
-    costs = launch_costs(figures, ranks)
+    (``multi``) and of ``hsdp``'s; ``costs``: :func:`launch_costs` of ``figures``."""
     out = {}
     for strategy in strategies:
         if strategy in figures:

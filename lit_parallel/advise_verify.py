@@ -289,7 +289,7 @@ def worker(args: argparse.Namespace) -> int:
     # pp_dp can end the launch (see _measure_pipeline): no rank starts it before rank 0's results are written
     dist.barrier()
     if "pp_dp" in names:
-        _measure_pipeline(factory, kwargs, args, results, timer, plain)
+        _measure_pipeline(factory, kwargs, args, results, timer)
     return 0
 
 
@@ -383,12 +383,7 @@ def _model_and_inputs(factory: Any, kwargs: dict, args: argparse.Namespace) -> t
 
 
 def _measure_pipeline(
-    factory: Any,
-    kwargs: dict,
-    args: argparse.Namespace,
-    results: dict[str, Any],
-    timer: Any,
-    plain: list[str],
+    factory: Any, kwargs: dict, args: argparse.Namespace, results: dict[str, Any], timer: Any
 ) -> None:
     """pp_dp last (devices stages, data parallel 1): a rank that fails inside a pipeline step leaves the
     others waiting for its activations, so a failure ends this process at once (torchrun then stops the
@@ -408,7 +403,9 @@ def _measure_pipeline(
                 model, inputs, devices=args.devices, repeats=args.repeats, timer=timer
             )
             one_round["calibration.pp_dp"] = calibrate("pp_dp", args.devices, args.calibration_repeats)
-        results.update(combine_rounds(results["rounds"], [*plain, "pp_dp"]))
+        pipeline = combine_rounds(results["rounds"], ["pp_dp"])
+        results["pp_dp"] = pipeline["pp_dp"]
+        results["calibration"]["pp_dp"] = pipeline["calibration"]["pp_dp"]
     except Exception as err:
         why = f"{type(err).__name__}: {err}"
         with contextlib.suppress(OSError):
