@@ -38,7 +38,7 @@ _PYTREE = "torch.utils._pytree"  # no public pytree in torch 2.13
 _FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
 _LAUNCHER = "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
 
-# FSDP2 methods in which the compute stream waits on a collective stream's event (parallel/waits.py).
+# FSDP2 methods in which the compute stream waits on a collective stream's event (measure/waits.py).
 FSDP_WAIT_METHODS = ("wait_for_unshard", "_wait_for_post_backward", "finalize_backward")
 
 ENTRIES: dict[str, Entry] = {
@@ -51,19 +51,22 @@ ENTRIES: dict[str, Entry] = {
     ),
     "TorchDispatchMode": Entry(
         "torch.utils._python_dispatch:TorchDispatchMode",
-        "parallel/comm.CommCounter: sees every c10d op, also those issued from C++ (DDP's reducer, FSDP2)",
+        "measure/collectives.CommCounter: sees every c10d op, also those issued from C++ (DDP's reducer, FSDP2)",
         "torch.overrides.TorchFunctionMode is public but does not see ops issued from C++",
     ),
     "tree_flatten": Entry(
-        f"{_PYTREE}:tree_flatten", "the tensors of nested args (TP, tp_trace, live_memory, step_simulation)"
+        f"{_PYTREE}:tree_flatten",
+        "the tensors of nested args (TP, tensor_parallel.trace, live_memory, planner.simulation)",
     ),
     "flash_attention_for_cpu": Entry(
         "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu", "fused_attention"
     ),
-    "tree_map": Entry(f"{_PYTREE}:tree_map", "parallel/tp_trace: tag every tensor of a nested output"),
+    "tree_map": Entry(
+        f"{_PYTREE}:tree_map", "parallel/tensor_parallel/trace: tag every tensor of a nested output"
+    ),
     "resolve_process_group": Entry(
         f"{_C10D}:_resolve_process_group",
-        "parallel/comm: the size of the group a functional collective (DTensor) names by string",
+        "measure/collectives: the size of the group a functional collective (DTensor) names by string",
     ),
     "get_default_store": Entry(
         f"{_C10D}:_get_default_store",
@@ -82,11 +85,11 @@ ENTRIES: dict[str, Entry] = {
     ),
     "functional_collectives": Entry(
         "torch.distributed._functional_collectives:",
-        "parallel/waits: wait_tensor is where compute waits on a DTensor redistribution; it is patched",
+        "measure/waits: wait_tensor is where compute waits on a DTensor redistribution; it is patched",
     ),
     "FSDPParamGroup": Entry(
         _FSDP_PARAM_GROUP,
-        "parallel/waits: its wait methods (FSDP_WAIT_METHODS) are where CUDA compute waits on FSDP2",
+        "measure/waits: its wait methods (FSDP_WAIT_METHODS) are where CUDA compute waits on FSDP2",
         attributes=FSDP_WAIT_METHODS,
     ),
     "MEM_FORMAT_ENCODING": Entry(
@@ -124,7 +127,7 @@ ENTRIES: dict[str, Entry] = {
     ),
     "storage_key": Entry(
         "torch:UntypedStorage",
-        "parallel/advisor, activations: identity of a storage, also on meta (where data_ptr() is 0)",
+        "planner/rules, activations: identity of a storage, also on meta (where data_ptr() is 0)",
         "untyped_storage().data_ptr() is 0 for every meta storage",
         attributes=("_cdata",),
     ),
@@ -141,18 +144,18 @@ ENTRIES: dict[str, Entry] = {
     # --- torch: checks only (base-class members our subclasses and op matchers rely on) ---------------
     "ColwiseParallel._partition_linear_fn": Entry(
         "torch.distributed.tensor.parallel:ColwiseParallel",
-        "parallel/tensor_parallel.FusedColwiseParallel permutes rows, then calls super()",
+        "parallel/tensor_parallel/styles.FusedColwiseParallel permutes rows, then calls super()",
         attributes=("_partition_linear_fn",),
     ),
     "ColwiseParallel/RowwiseParallel hooks": Entry(
         "torch.distributed.tensor.parallel:RowwiseParallel",
-        "parallel/tp_styles.Transposed{Colwise,Rowwise}Parallel (HF Conv1D): own partition fn, torch's"
+        "parallel/tensor_parallel/styles.Transposed{Colwise,Rowwise}Parallel (HF Conv1D): own partition fn, torch's"
         " input/output hooks",
         attributes=("_prepare_input_fn", "_prepare_output_fn", "_apply"),
     ),
     "SequenceParallel._prepare_input_fn": Entry(
         "torch.distributed.tensor.parallel:SequenceParallel",
-        "parallel/tensor_parallel.SequenceParallelNorm: SequenceParallel with a gathered output",
+        "parallel/tensor_parallel/styles.SequenceParallelNorm: SequenceParallel with a gathered output",
         attributes=("_prepare_input_fn", "_replicate_module_fn", "_apply"),
     ),
     "_BatchNorm._check_input_dim": Entry(
@@ -162,12 +165,12 @@ ENTRIES: dict[str, Entry] = {
     ),
     "c10d private op names": Entry(
         "torch:ops.c10d",
-        "parallel/comm: CommCounter classifies c10d ops by name",
+        "measure/collectives: CommCounter classifies c10d ops by name",
         attributes=("_allgather_base_", "_reduce_scatter_base_"),
     ),
     "_c10d_functional ops": Entry(
         "torch:ops._c10d_functional",
-        "parallel/comm: CommCounter classifies DTensor's functional collectives by name",
+        "measure/collectives: CommCounter classifies DTensor's functional collectives by name",
         attributes=(
             "all_reduce",
             "all_gather_into_tensor",

@@ -24,7 +24,7 @@ A run that failed is then resumed once, as a user (or SLURM's requeue) would: th
 fault, ``fit(ckpt_path="last")``. Every run must end completed, with final parameters bitwise equal to an
 uninterrupted run of the same strategy. Counted over all runs, each must be 0: leftover processes (any process
 of the run alive 5 s after its launcher ended), corrupt checkpoints (any checkpoint in the folder that
-:func:`lit_parallel.checkpoint.verify_checkpoint` refuses) and lost checkpoints (a checkpoint the run logged as
+:func:`lit_parallel.checkpoint.load.verify_checkpoint` refuses) and lost checkpoints (a checkpoint the run logged as
 saved that is gone or refused). The summary prints the counts; the exit code is the number of bad runs.
 """
 
@@ -241,7 +241,7 @@ def _attempt(cmd: list[str], env: dict, run_dir: Path, fault: str | None, spec: 
 
 def _check_checkpoints(run_dir: Path) -> tuple[int, int, list[str]]:
     """(corrupt, lost, problems) for the run's checkpoint folder."""
-    from lit_parallel.checkpoint import verify_checkpoint
+    from lit_parallel.checkpoint.load import verify_checkpoint
 
     folder = run_dir / "ckpt"
     problems = []

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from lit_parallel.advise import parse_count
-from lit_parallel.parallel.advisor import (
+from lit_parallel.commands.advise.command import parse_count
+from lit_parallel.planner.rules import (
     RULES,
     advise,
     estimate_activations,
@@ -60,8 +60,8 @@ def test_fp32_adam_counts_4_plus_4_plus_8_bytes():
 def test_zero2_row_is_what_fsdp_blocks_without_resharding_holds_in_both_tables():
     """The state table's ZeRO-2 row and the peak table's ZeRO-2 are one layout: FSDP2 shards of everything,
     plus every parameter gathered in full from forward to backward (not DeepSpeed's full parameters)."""
-    from lit_parallel.parallel.memory_table import ZERO2, memory_rows
-    from lit_parallel.parallel.peak import LABELS
+    from lit_parallel.planner.memory.peak import LABELS
+    from lit_parallel.planner.memory.table import ZERO2, memory_rows
 
     rows = {r[0]: r for r in memory_rows(1000, devices=4, precision="32-true")}
     name, strategy, _, p, g, o = rows["ZeRO-2"]
@@ -234,7 +234,7 @@ def test_a_model_gives_parameters_blocks_and_activations():
 
 def _advise_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lit_parallel.cli", "advise", *args],
+        [sys.executable, "-m", "lit_parallel.commands.cli", "advise", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -263,7 +263,7 @@ def test_advise_command_prints_the_table_and_writes_the_same_figures_as_json(tmp
 
 
 def test_advise_command_reads_a_model_class(capsys, monkeypatch):
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["advise", "--model", "tests.models:Llama", "--devices", "2", "--memory-gb", "1"]) == 0
@@ -286,7 +286,7 @@ def test_advise_command_refuses_bad_input_with_the_value_and_the_fix(args, messa
     import contextlib
     import io
 
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -331,7 +331,7 @@ def test_advise_command_refuses_nonsense_in_one_line(args, message):
     import contextlib
     import io
 
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -342,7 +342,7 @@ def test_advise_command_refuses_nonsense_in_one_line(args, message):
 
 
 def test_precision_short_form_on_the_command_line(capsys, monkeypatch):
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")
     assert (
@@ -352,7 +352,7 @@ def test_precision_short_form_on_the_command_line(capsys, monkeypatch):
 
 
 def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(capsys, monkeypatch):
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     # 70e9 x 16 bytes / 8 ranks = 140 GB > 80 GB: fsdp_blocks is chosen only because nothing else holds
     monkeypatch.setenv("COLUMNS", "300")
@@ -368,12 +368,12 @@ def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(ca
 
 # --- peak memory and step time: predicted, then measured (issue 15) ----------------------------------------
 
-from lit_parallel.parallel.live_memory import LiveMemory  # noqa: E402
-from lit_parallel.parallel.peak import predict_peaks  # noqa: E402
+from lit_parallel.measure.live_memory import LiveMemory  # noqa: E402
+from lit_parallel.planner.memory.predict import predict_peaks  # noqa: E402
 
 
 def test_live_memory_innermost_is_the_tracker_a_hook_runs_under_and_holds_what_is_not_state():
-    from lit_parallel.parallel.live_memory import LiveMemory
+    from lit_parallel.measure.live_memory import LiveMemory
 
     layer = nn.Linear(4, 4)
     assert LiveMemory.innermost() is None
@@ -476,9 +476,9 @@ SEQ_LEN = {"torch_decoder": 8}  # no configured sequence length
 @pytest.mark.timeout(300)
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process():
     """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting vs the prediction."""
-    from lit_parallel.advise_verify import measure_step, real_inputs, vocabulary
+    from lit_parallel.commands.advise.measure import measure_step
     from lit_parallel.parallel.blocks import find_transformer_blocks
-    from lit_parallel.parallel.example_inputs import meta_example_input
+    from lit_parallel.parallel.example_inputs import meta_example_input, real_inputs, vocabulary
 
     errors = {}
     for name, build, shape in SMALL_MODELS:
@@ -511,8 +511,8 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     One sequence per rank: the blocks are large next to the activations, so FSDP2's flat all-gather
     outputs (two at a block's copy-out), padding and reduce-scatter buffers decide the ZeRO-2 / ZeRO-3 peak.
     """
-    from lit_parallel.advise_report import predict
-    from lit_parallel.advise_verify import LAUNCH_STRATEGIES, hybrid_layout, launch, peak_from
+    from lit_parallel.commands.advise.measure import LAUNCH_STRATEGIES, hybrid_layout, launch, peak_from
+    from lit_parallel.commands.advise.report import predict
 
     res = launch("tests.models:GPT", None, ranks=2, batch_size=1, seq_len=None, grad_bytes=4096, repeats=1,
                  calibration_repeats=1, timing_unit="", rounds=2)  # fmt: skip
@@ -531,7 +531,7 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     for strategy in ("zero2", "fsdp_blocks"):  # the peak is a block's gather, with its flat buffers
         assert pred.report.peaks[strategy].moment.startswith("block"), pred.report.peaks[strategy]
     assert res["busbw_gbps"] > 0 and res["latency_s"] > 0
-    # every strategy ran every calibration shape (lit_parallel/parallel/calibration.py) to a step time
+    # every strategy ran every calibration shape (lit_parallel/planner/time/calibration.py) to a step time
     # pp_dp runs last and failed (see above): the launch ended there, with everything before it measured
     assert set(res["calibration"]) == set(LAUNCH_STRATEGIES) - {"pp_dp", "tp_dp"}
     for strategy, seconds in res["calibration"].items():
@@ -579,7 +579,7 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
 def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead_attention():
     """The plan converts nn.MultiheadAttention into split projections: on a copy of the model, so pp_dp (and
     every other row) still simulates the model as the user wrote it."""
-    from lit_parallel.advise_report import predict
+    from lit_parallel.commands.advise.report import predict
 
     pred = predict("tests.conformance_models:TorchDecoderLM", {}, precision="32-true", devices=2, nodes=1,
                    batch_size=8, seq_len=8, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
@@ -592,10 +592,10 @@ def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead
 @pytest.mark.timeout(600)
 def test_a_real_launch_of_tp_dp_on_llama_measures_its_peak_within_10_percent_and_its_optimizer_exactly():
     """tp_dp over 2 ranks (the automatic plan) on Hugging Face's Llama: the per-rank peak is predicted from
-    one rank's model simulated on meta (lit_parallel/parallel/tp_local.py) under FSDP2 over one data-parallel
+    one rank's model simulated on meta (lit_parallel/planner/memory/tensor_parallel.py) under FSDP2 over one data-parallel
     rank, with each row-wise layer's all-reduce buffers; AdamW's state is that rank's DTensor shards."""
-    from lit_parallel.advise_report import predict
-    from lit_parallel.advise_verify import launch, peak_from
+    from lit_parallel.commands.advise.measure import launch, peak_from
+    from lit_parallel.commands.advise.report import predict
 
     model = "tests.conformance_models:llama"
     res = launch(model, None, ranks=2, batch_size=8, seq_len=None, grad_bytes=4096, repeats=1,
@@ -621,7 +621,7 @@ def test_a_real_launch_of_tp_dp_on_llama_measures_its_peak_within_10_percent_and
 
 
 def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, monkeypatch):
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")
     out = tmp_path / "advice.json"

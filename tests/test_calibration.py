@@ -1,10 +1,10 @@
-"""The strategy costs the step-time prediction is priced with (lit_parallel/parallel/calibration.py)."""
+"""The strategy costs the step-time prediction is priced with (lit_parallel/planner/time/calibration.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lit_parallel.parallel.calibration import (
+from lit_parallel.planner.time.calibration import (
     SHAPES,
     CalibrationNet,
     StrategyCost,
@@ -57,8 +57,8 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
 
 
 def test_the_all_reduces_of_each_shape_are_what_the_automatic_plan_makes():
-    from lit_parallel.parallel.tp_infer import infer_tp_plan
-    from lit_parallel.parallel.tp_local import all_reduces_per_step
+    from lit_parallel.parallel.tensor_parallel.infer import infer_tp_plan
+    from lit_parallel.planner.memory.tensor_parallel import all_reduces_per_step
 
     for name in SHAPES:
         model = calibration_model(name)
@@ -107,11 +107,11 @@ def test_a_cost_measured_below_one_process_is_no_cost_and_a_smaller_model_pays_t
 
 
 def test_the_predicted_step_adds_the_measured_strategy_cost():
-    from lit_parallel.advise_report import Prediction
-    from lit_parallel.parallel.calibration import StrategyCost
+    from lit_parallel.commands.advise.report import Prediction
     from lit_parallel.parallel.memory import estimate_comm_bytes
-    from lit_parallel.parallel.peak import predict_peaks
-    from lit_parallel.parallel.step_time import StepTime
+    from lit_parallel.planner.memory.predict import predict_peaks
+    from lit_parallel.planner.time.calibration import StrategyCost
+    from lit_parallel.planner.time.step import StepTime
     from tests.conformance_models import ResidualSequentialNet
 
     model = ResidualSequentialNet()
@@ -157,8 +157,8 @@ def test_the_predicted_step_adds_the_measured_strategy_cost():
 def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_per_all_reduce():
     from dataclasses import replace
 
-    from lit_parallel.advise_report import predict
-    from lit_parallel.parallel.step_time import StepTime
+    from lit_parallel.commands.advise.report import predict
+    from lit_parallel.planner.time.step import StepTime
 
     # mlp (Linear 16->32, 32->32, 32->32, 32->4, Tanh between): the automatic plan splits them as two
     # column-wise / row-wise pairs at tp 2, every Linear split: 4 split layers, 3 all-reduces (the first
@@ -189,7 +189,7 @@ def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_pe
 def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypatch, capsys):
     import json
 
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")
     cost = {
@@ -239,7 +239,7 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
 
 
 def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_calibration_runs():
-    from lit_parallel.parallel.calibration import (
+    from lit_parallel.planner.time.calibration import (
         BATCH,
         calibration_slots,
         fit_pipeline_cost,
@@ -264,8 +264,8 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
     # ... as pp_dp's own planner cuts it (its largest stage's share of the parameters)
     import torch
 
-    from lit_parallel.parallel.calibration import calibration_model, counts
-    from lit_parallel.parallel.peak import predict_peaks
+    from lit_parallel.planner.memory.predict import predict_peaks
+    from lit_parallel.planner.time.calibration import calibration_model, counts
 
     for name in ("reference", "heavy"):
         report = predict_peaks(calibration_model(name), precision="32-true", devices=2, nodes=1, batch_size=8,
@@ -301,9 +301,9 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
 def test_pp_dp_transfers_pay_the_latency_only_where_no_measured_cost_per_slot_holds_it():
     from dataclasses import replace
 
-    from lit_parallel.advise_report import predict
-    from lit_parallel.parallel.calibration import StrategyCost
-    from lit_parallel.parallel.step_time import StepTime
+    from lit_parallel.commands.advise.report import predict
+    from lit_parallel.planner.time.calibration import StrategyCost
+    from lit_parallel.planner.time.step import StepTime
 
     pred = predict("tests.conformance_models:ResidualSequentialNet", {}, precision="32-true", devices=2, nodes=1,
                    batch_size=8, seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=0.0,
@@ -330,8 +330,8 @@ def test_pp_dp_transfers_pay_the_latency_only_where_no_measured_cost_per_slot_ho
 def test_each_round_is_predicted_against_its_own_step_and_the_median_round_is_the_error():
     from types import SimpleNamespace
 
-    from lit_parallel.advise_compare import error_rows, paired_step
-    from lit_parallel.parallel.live_memory import CATEGORIES, MemoryPeak
+    from lit_parallel.commands.advise.compare import error_rows, paired_step
+    from lit_parallel.measure.live_memory import CATEGORIES, MemoryPeak
 
     # three rounds; the machine ran at half speed in the second, for its parts and its steps alike
     # (predicted, measured): each round's ratio is 1.2, 1.2 and 0.9; the median round is 20 % over
@@ -361,7 +361,7 @@ def test_each_round_is_predicted_against_its_own_step_and_the_median_round_is_th
 
 
 def test_an_uneven_pipeline_waits_for_its_slowest_stage():
-    from lit_parallel.parallel.pipeline_time import uneven_pipeline_step
+    from lit_parallel.planner.time.pipeline import uneven_pipeline_step
 
     # stages of 0.1 s and 0.3 s per micro-batch, 4 micro-batches: the slow stage is busy 4 x 0.3 s, the
     # fast one adds its 0.1 s once (filling/draining); 5 slots, each one transfer each way and 10 ms
@@ -376,7 +376,7 @@ def test_an_uneven_pipeline_waits_for_its_slowest_stage():
 def test_each_stage_is_charged_the_flops_of_the_pieces_it_runs():
     import torch
 
-    from lit_parallel.parallel.pipeline_time import stage_work
+    from lit_parallel.planner.time.pipeline import stage_work
 
     # CalibrationNet(2 blocks): inp, blocks.0 | blocks.1 (+ the loss); three Linear(4, 4) of equal FLOPs:
     # the first stage runs two of them, the second one; the loss (cross-entropy) has no matmul FLOPs
@@ -391,8 +391,8 @@ def test_each_stage_is_charged_the_flops_of_the_pieces_it_runs():
 def test_each_stage_counts_the_parameter_tensors_of_the_pieces_pp_dp_gives_it():
     import torch
 
-    from lit_parallel.parallel.peak import predict_peaks
-    from lit_parallel.parallel.pipeline_time import pipeline_stage_work, stage_tensors
+    from lit_parallel.planner.memory.predict import predict_peaks
+    from lit_parallel.planner.time.pipeline import pipeline_stage_work, stage_tensors
 
     # CalibrationNet(2 blocks of 3 layers) on 2 stages: inp's weight and bias with blocks.0's 3 Linears
     # (2 + 6 tensors), then blocks.1's 3 Linears (6 tensors)
@@ -411,8 +411,8 @@ def test_each_stage_counts_the_parameter_tensors_of_the_pieces_pp_dp_gives_it():
 def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks():
     from dataclasses import asdict
 
-    from lit_parallel.advise_rounds import combine_rounds
-    from lit_parallel.parallel.step_time import StepTime
+    from lit_parallel.commands.advise.measure import combine_rounds
+    from lit_parallel.planner.time.step import StepTime
 
     def timing(block_s: float) -> dict:
         return asdict(StepTime(block_s=block_s, op_s=block_s / 100, flop_s=0.0, ops=100, flops=0,
@@ -449,7 +449,7 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
 
 
 def test_a_launch_prices_each_strategy_with_the_costs_timed_between_its_steps():
-    from lit_parallel.advise_compare import launch_costs
+    from lit_parallel.commands.advise.compare import launch_costs
 
     # the calibration runs (one process: 1 ms per shape) say 3 ms fixed, 2 ms per group, 50 us per tensor and
     # 1 ms per MB under both strategies; between zero2's steps the machine was slower: 4 ms fixed, 5 ms per
@@ -472,9 +472,8 @@ def test_a_launch_prices_each_strategy_with_the_costs_timed_between_its_steps():
 
 
 def test_the_parts_timed_between_steps_give_the_rates_worked_out_by_hand():
-    from lit_parallel.advise_report import shaped_input
-    from lit_parallel.parallel.model_summary import build_on_meta
-    from lit_parallel.parallel.step_time import PartsTimer
+    from lit_parallel.planner.model_summary import build_on_meta, shaped_input
+    from lit_parallel.planner.time.step import PartsTimer
     from tests.conformance_models import FEATURES, mlp
 
     timer = PartsTimer(
@@ -512,7 +511,7 @@ def test_the_parts_timed_between_steps_give_the_rates_worked_out_by_hand():
 
 
 def test_the_step_rates_always_give_back_the_time_at_the_micro_batch():
-    from lit_parallel.parallel.step_time import _rates
+    from lit_parallel.planner.time.step import _rates
 
     counts = [(100, 1000), (100, 500)]
     # half the FLOPs take 2 of 3 ms: 2 us per FLOP, the 1 ms left over 100 ops
@@ -587,7 +586,7 @@ def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_
 
 @pytest.mark.timeout(180)
 def test_tp_dp_is_priced_by_the_all_reduces_a_real_split_step_runs(advise_launch):
-    from lit_parallel.advise_report import predict
+    from lit_parallel.commands.advise.report import predict
 
     # by hand: mlp's plan splits its 4 Linears, and the first one reads the input (no gradient to reduce):
     # 3. t5 (2 encoder and 2 decoder layers): q, k, v, o, wi and wo of each encoder layer, self-attention's
@@ -605,7 +604,7 @@ def test_tp_dp_is_priced_by_the_all_reduces_a_real_split_step_runs(advise_launch
 def test_measure_step_calls_between_after_each_timed_step_only():
     import torch
 
-    from lit_parallel.advise_verify import measure_step
+    from lit_parallel.commands.advise.measure import measure_step
 
     calls = []
     peak, seconds = measure_step(torch.nn.Linear(2, 2), (torch.zeros(4, 2),), repeats=3,

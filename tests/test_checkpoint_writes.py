@@ -10,17 +10,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lit_parallel import cli
-from lit_parallel.checkpoint import (
-    IncompleteCheckpointError,
-    NotACheckpointError,
+from lit_parallel.checkpoint.convert import consolidate
+from lit_parallel.checkpoint.load import IncompleteCheckpointError, NotACheckpointError, verify_checkpoint
+from lit_parallel.checkpoint.write import (
+    CheckpointWriteError,
+    ForeignDestinationError,
     atomic_save,
     commit,
-    consolidate,
     new_partial_path,
-    verify_checkpoint,
 )
-from lit_parallel.checkpoint_writes import CheckpointWriteError, ForeignDestinationError
+from lit_parallel.commands import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

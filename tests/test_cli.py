@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from lit_parallel.cli import BENCHMARKS, COMMANDS, main
+from lit_parallel.commands.cli import BENCHMARKS, COMMANDS, main
 
 
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lit_parallel.cli", *args],
+        [sys.executable, "-m", "lit_parallel.commands.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -100,7 +100,7 @@ def test_bench_all_writes_one_json_and_png_plots(tmp_path):
 
 
 def test_benchmark_variants_rotate_between_repeats():
-    from lit_parallel.bench.common import rotated
+    from lit_parallel.commands.bench.common import rotated
 
     # every variant once per repeat, each repeat starting one variant later
     assert "".join(rotated(("a", "b", "c"), 4)) == "abc" + "bca" + "cab" + "abc"
@@ -108,7 +108,7 @@ def test_benchmark_variants_rotate_between_repeats():
 
 def test_bench_plots_draw_every_quantity_a_benchmark_reports(tmp_path):
     pytest.importorskip("matplotlib")
-    from lit_parallel.bench import plot
+    from lit_parallel.commands.bench import plot
 
     report = {
         "settings": {"devices": 2, "accelerator": "cpu"},

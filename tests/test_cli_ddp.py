@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lit_parallel.cli import build_parser
+from lit_parallel.commands.cli import build_parser
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, "-m", "lit_parallel.cli", *args],
+        [sys.executable, "-m", "lit_parallel.commands.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -59,7 +59,7 @@ def test_bench_ddp_reports_all_variants_and_exact_bytes(tmp_path):
 
 
 def test_cli_refuses_bad_numbers_with_a_clear_message(capsys):
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     assert main(["bench", "ddp", "--repeats", "0"]) == 2
     assert "--repeats, --steps and --warmup must each be at least 1" in capsys.readouterr().err

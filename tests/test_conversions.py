@@ -11,8 +11,11 @@ from torch import nn
 
 from lit_parallel.nn import SplittableMultiheadAttention
 from lit_parallel.parallel import infer_tp_plan
-from lit_parallel.parallel.conversions import convert_for_tensor_parallel, revert_tensor_parallel_conversions
-from lit_parallel.parallel.tp_plan import TPPlanError
+from lit_parallel.parallel.tensor_parallel.conversions import (
+    convert_for_tensor_parallel,
+    revert_tensor_parallel_conversions,
+)
+from lit_parallel.parallel.tensor_parallel.plan import TPPlanError
 
 E, HEADS, B, L, S = 8, 2, 3, 4, 5
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_parallel.parallel.buckets import MiB
+from lit_parallel.parallel.ddp.buckets import MiB
 from tests.harness import launch
 from tests.reference import assert_rel_close, reference_training
 from tests.scenarios import ddp as sc

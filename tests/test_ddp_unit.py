@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 import lit_parallel
 from lit_parallel import TunedDDPStrategy
-from lit_parallel.parallel.buckets import AllReduceMeasurement, MiB, choose_bucket_sizes
-from lit_parallel.parallel.ddp import build_comm_hook, validate_comm_hook
+from lit_parallel.parallel.ddp.buckets import AllReduceMeasurement, MiB, choose_bucket_sizes
+from lit_parallel.parallel.ddp.comm_hooks import build_comm_hook, validate_comm_hook
 from tests.scenarios.ddp import NetModule, make_dataset, make_net
 
 
@@ -165,7 +165,7 @@ def test_backend_dependent_errors_come_before_any_process_group():
 
 
 def test_gradient_bytes_follow_ddp_bucket_order():
-    from lit_parallel.parallel.buckets import gradient_bytes_in_ready_order
+    from lit_parallel.parallel.ddp.buckets import gradient_bytes_in_ready_order
 
     net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
     net[0].bias.requires_grad_(False)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import lit_parallel as lp
-from lit_parallel.parallel.advisor import RULES
+from lit_parallel.planner.rules import RULES
 from tests.harness import REPO_ROOT
 
 DOCS = REPO_ROOT / "docs"
@@ -105,9 +105,7 @@ def test_site_builds_strictly_with_the_api_reference(site):
         "TensorParallelStrategy",
     ):
         assert f'id="lit_parallel.{cls}"' in api, cls
-    assert (
-        'id="lit_parallel.parallel.advisor.advise"' in (site / "api" / "parallel" / "index.html").read_text()
-    )
+    assert 'id="lit_parallel.planner.rules.advise"' in (site / "api" / "parallel" / "index.html").read_text()
 
 
 def test_every_page_exists_and_is_in_the_navigation():

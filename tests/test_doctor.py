@@ -9,12 +9,13 @@ import sys
 import pytest
 import torch
 
-from lit_parallel.doctor import bus_bandwidth, environment_checks
+from lit_parallel.commands.doctor import environment_checks
+from lit_parallel.measure.collectives import bus_bandwidth
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lit_parallel.cli", "doctor", *args],
+        [sys.executable, "-m", "lit_parallel.commands.cli", "doctor", *args],
         capture_output=True,
         text=True,
         timeout=150,

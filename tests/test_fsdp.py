@@ -153,7 +153,7 @@ def test_memory_per_rank_is_16_bytes_per_parameter_over_n(run):
 
 @pytest.mark.timeout(480)
 def test_live_memory_counts_fsdp2_gathered_parameters_as_params_and_unsharded_gradients_as_grads(run):
-    """The categories `advise --verify` measures mean what the planner predicts (lit_parallel/parallel/peak.py):
+    """The categories `advise --verify` measures mean what the planner predicts (lit_parallel/planner/memory/peak.py):
     FSDP2's gathered parameters are parameters (not the activations autograd saves, nor temporaries), its
     unsharded gradients before the reduce-scatter are gradients, its flat all-gather output a temporary."""
     f32, n_in, n_out, batch = 4, sc.LIVE_IN, sc.LIVE_OUT, sc.LIVE_BATCH

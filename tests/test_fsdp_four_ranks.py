@@ -11,9 +11,9 @@ import argparse
 import pytest
 import torch
 
-from lit_parallel import checkpoint
-from lit_parallel.checkpoint import consolidate
-from lit_parallel.cli import COMMANDS
+from lit_parallel.checkpoint.convert import consolidate
+from lit_parallel.commands import consolidate as consolidate_command
+from lit_parallel.commands.cli import COMMANDS
 from tests.harness import launch
 from tests.models import GPT
 from tests.reference import assert_rel_close, reference_training
@@ -156,13 +156,13 @@ def test_consolidated_checkpoint_loads_into_the_unwrapped_model(saved, ckpt_dir,
     _assert_bitwise(loaded, saved["model"])
     assert set(state) == set(loaded)
     # ... and, through `lit-parallel consolidate`, the plain nn.Module's
-    assert COMMANDS["consolidate"][0] == "lit_parallel.checkpoint"
+    assert COMMANDS["consolidate"][0] == "lit_parallel.commands.consolidate"
     parser = argparse.ArgumentParser()
-    checkpoint.add_arguments(parser)
+    consolidate_command.add_arguments(parser)
     args = parser.parse_args(
         [str(ckpt_dir / "sharded"), str(tmp_path / "gpt.pt"), "--strip-prefix", "model."]
     )
-    assert checkpoint.run(args) == 0
+    assert consolidate_command.run(args) == 0
     gpt = GPT()
     gpt.load_state_dict(torch.load(tmp_path / "gpt.pt", weights_only=True))
     for k, v in gpt.state_dict().items():

@@ -9,12 +9,12 @@ import io
 import pytest
 import torch
 
-from lit_parallel.lab import EXPERIMENTS
-from lit_parallel.lab.common import read_csv
+from lit_parallel.commands.lab import EXPERIMENTS
+from lit_parallel.commands.lab.common import read_csv
 
 
 def test_lab_list_names_every_experiment():
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -24,7 +24,7 @@ def test_lab_list_names_every_experiment():
 
 
 def test_an_unknown_experiment_is_refused_with_the_names():
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -124,7 +124,7 @@ def _check_unused(out):
 
 @pytest.mark.timeout(1200)
 def test_every_experiment_runs_at_its_smallest_size_and_plots_what_it_is_about(tmp_path):
-    from lit_parallel.cli import main
+    from lit_parallel.commands.cli import main
 
     assert main(["lab", "all", "--quick", "--out", str(tmp_path)]) == 0
     for png in ("scaling", "set_epoch", "communication", "memory", "unused_parameters"):

@@ -16,7 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 from torch.utils.data import DataLoader, TensorDataset
 
 import lit_parallel as lp
-from lit_parallel.checkpoint_writes import ForeignDestinationError
+from lit_parallel.checkpoint.write import ForeignDestinationError
 from tests.models import Llama
 
 # (class, init_args that differ from the defaults, where the strategy keeps each of them)

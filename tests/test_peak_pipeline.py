@@ -10,20 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from lit_parallel.lab.memory import BlockMLP
-from lit_parallel.parallel.live_memory import LiveMemory
-from lit_parallel.parallel.peak_pipeline import (
-    backward_moment,
-    in_flight,
-    pipeline_layout,
-    pipeline_microbatches,
-    pipeline_plan,
-    pipeline_step_time,
-    simulate_micro_batch,
-    stage_peaks,
-)
-from lit_parallel.parallel.precision import precision_bytes
-from lit_parallel.parallel.step_simulation import default_loss
+from lit_parallel.commands.lab.memory import BlockMLP
+from lit_parallel.measure.live_memory import LiveMemory
+from lit_parallel.planner.memory.pipeline import backward_moment, in_flight, stage_peaks
+from lit_parallel.planner.memory.pipeline_simulation import simulate_micro_batch
+from lit_parallel.planner.pipeline_layout import pipeline_layout, pipeline_microbatches, pipeline_plan
+from lit_parallel.planner.precision import precision_bytes
+from lit_parallel.planner.simulation import default_loss
+from lit_parallel.planner.time.pipeline import pipeline_step_time
 
 
 def test_pipeline_step_time_is_the_bubble_plus_one_transfer_each_way_per_slot():

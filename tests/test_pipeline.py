@@ -249,7 +249,7 @@ def test_gpt_pp_recipe_trains_pp2_x_dp2_and_its_checkpoint_consolidates(run4, tm
     cmd = [
         sys.executable,
         "-m",
-        "lit_parallel.cli",
+        "lit_parallel.commands.cli",
         "consolidate",
         checkpoint,
         str(target),

@@ -12,7 +12,7 @@ from torch import nn
 import lit_parallel as lp
 from lit_parallel.parallel.blocks import find_transformer_blocks
 from lit_parallel.parallel.mesh import PP, ParallelDims
-from lit_parallel.parallel.pipeline import (
+from lit_parallel.parallel.pipeline.plan import (
     SCHEDULES,
     balanced_split,
     bubble_fraction,
@@ -165,8 +165,7 @@ def test_parameters_sitting_on_the_root_module_are_refused():
 
 
 def test_pipeline_rule_holds_only_when_the_model_fits_cut_into_stages_across_nodes():
-    from lit_parallel.parallel.advisor import advise
-    from lit_parallel.parallel.pipeline_advice import pipeline_check, pipeline_plan_for
+    from lit_parallel.planner.rules import advise, pipeline_check, pipeline_plan_for
 
     # bf16-mixed Adam: 16 bytes per parameter; sharded over one node's 8 devices: 2 bytes x params per rank
     big = advise(params=70e9, devices=8, nodes=4, memory_gb=80, precision="bf16-mixed")
@@ -186,7 +185,7 @@ def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects(
     the later blocks run as skips, so the head must see the shape the later blocks make, not its input's."""
     import copy
 
-    from lit_parallel.parallel.pipeline_stage import build_stage_modules
+    from lit_parallel.parallel.pipeline.stage import build_stage_modules
 
     class Widen(nn.Module):
         def __init__(self, cin: int, cout: int) -> None:
@@ -223,7 +222,7 @@ def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects(
         h = reference.get_submodule(name)(h)
     assert torch.equal(activation, h) and torch.equal(inputs, x)
     # the skips compute their output's shape on meta once per input shape, not once per micro-batch
-    from lit_parallel.parallel.pipeline_stage import _Skip
+    from lit_parallel.parallel.pipeline.stage import _Skip
 
     skips = [t[3] for t in stage._others.values()] + [
         m for m in stage._blocks.values() if isinstance(m, _Skip)

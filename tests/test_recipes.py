@@ -251,7 +251,7 @@ def test_sharded_gpt_checkpoint_consolidates_into_a_plain_state_dict(trained, tm
         [
             sys.executable,
             "-m",
-            "lit_parallel.cli",
+            "lit_parallel.commands.cli",
             "consolidate",
             checkpoint,
             str(output),

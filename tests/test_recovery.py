@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_parallel.checkpoint import PARTIAL_PREFIX
+from lit_parallel.checkpoint.load import PARTIAL_PREFIX
 from lit_parallel.reliability.resume import checkpoint_candidates, newest_complete_checkpoint
 from tests.harness import launch
 from tests.scenarios.recovery import KILL_AT_STEP, LAST_ATTEMPT, STRATEGIES

@@ -15,13 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_parallel.checkpoint import (
-    LIGHTNING_META,
-    IncompleteCheckpointError,
-    consolidate,
-    consolidate_checkpoint,
-    verify_checkpoint,
-)
+from lit_parallel.checkpoint.convert import consolidate, consolidate_checkpoint
+from lit_parallel.checkpoint.load import LIGHTNING_META, IncompleteCheckpointError, verify_checkpoint
 from lit_parallel.reliability import RNG_KEY
 from tests.harness import launch
 from tests.reference import assert_bitwise

@@ -13,16 +13,18 @@ import pytest
 
 import lit_parallel as lp
 from lit_parallel.reliability import stall
-from lit_parallel.reliability.options import REPORT_WAIT_S
-from lit_parallel.reliability.signals import SignalExit
-from lit_parallel.reliability.stall import (
+from lit_parallel.reliability.options import (
     AUTO_CEILING_S,
     AUTO_FACTOR,
     AUTO_FLOOR_S,
+    REPORT_WAIT_S,
+    check_stall_timeout,
+)
+from lit_parallel.reliability.signals import SignalExit
+from lit_parallel.reliability.stall import (
     CHECK_S,
     PAUSED_CEILING_S,
     StallClock,
-    check_stall_timeout,
     compose_stall_report,
     paused_deadline_s,
     short_position,

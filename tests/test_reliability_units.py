@@ -19,15 +19,14 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import lit_parallel as lp
-from lit_parallel.checkpoint import (
+from lit_parallel.checkpoint.convert import consolidate_checkpoint
+from lit_parallel.checkpoint.load import (
     IncompleteCheckpointError,
-    atomic_save,
-    check_replaceable,
-    consolidate_checkpoint,
     load_sharded,
     read_dcp_metadata,
     verify_checkpoint,
 )
+from lit_parallel.checkpoint.write import atomic_save, check_replaceable
 from lit_parallel.parallel import NoBlocksFoundError
 from lit_parallel.reliability import ReliabilityOptions, _reaches_a_parameter
 from lit_parallel.rng import capture_rng_state, restore_rng_state
@@ -304,13 +303,13 @@ def test_consolidated_lightning_checkpoint_keys_optimizer_state_by_parameter_ind
 def test_lit_parallel_consolidate_lightning_writes_a_resumable_checkpoint(tmp_path, capsys):
     import argparse
 
-    from lit_parallel import checkpoint
+    from lit_parallel.commands import consolidate as consolidate_command
 
     _sharded_checkpoint(tmp_path / "ckpt")
     parser = argparse.ArgumentParser()
-    checkpoint.add_arguments(parser)
+    consolidate_command.add_arguments(parser)
     assert (
-        checkpoint.run(
+        consolidate_command.run(
             parser.parse_args([str(tmp_path / "ckpt"), str(tmp_path / "full.ckpt"), "--lightning"])
         )
         == 0

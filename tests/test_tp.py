@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_parallel.checkpoint import load_sharded
+from lit_parallel.checkpoint.load import load_sharded
 from tests.harness import launch
 from tests.reference import assert_rel_close, rank_orders, reference_training
 from tests.scenarios import tp as sc

@@ -1,12 +1,12 @@
-"""One tensor-parallel rank's model on meta (lit_parallel/parallel/tp_local.py), what tp_dp's memory is
+"""One tensor-parallel rank's model on meta (lit_parallel/planner/memory/tensor_parallel.py), what tp_dp's memory is
 predicted from; checked against a real launch's measured optimizer state in tests/test_advise.py."""
 
 from __future__ import annotations
 
 import torch
 
-from lit_parallel.parallel.tp_infer import infer_tp_plan
-from lit_parallel.parallel.tp_local import tp_local_model
+from lit_parallel.parallel.tensor_parallel.infer import infer_tp_plan
+from lit_parallel.planner.memory.tensor_parallel import tp_local_model
 from tests.conformance_models import gpt2, llama, mlp
 
 

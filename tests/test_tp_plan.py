@@ -11,7 +11,7 @@ from torch import nn
 
 import lit_parallel as lp
 from lit_parallel.parallel import TPPlanError, check_tp_plan, infer_tp_plan
-from lit_parallel.parallel.tp_plan import fused_permutation as _fused_permutation
+from lit_parallel.parallel.tensor_parallel.plan import fused_permutation as _fused_permutation
 from tests.models import GPT, Llama, LlamaConfig
 from tests.tp_models import TPGPT, FlatLlama
 
@@ -154,8 +154,8 @@ def test_plan_description_is_one_line_per_distinct_block_plan_with_per_layer_det
 
 
 def test_a_family_provider_in_front_of_the_generic_one_plans_the_blocks_it_recognises(monkeypatch):
-    from lit_parallel.parallel import tp_families
-    from lit_parallel.parallel.tp_generic import BlockSplit
+    from lit_parallel.parallel.tensor_parallel import families as tp_families
+    from lit_parallel.parallel.tensor_parallel.block_plan import BlockSplit
 
     def keep_whole(root, name, block, flow, plan, checks):
         return BlockSplit()

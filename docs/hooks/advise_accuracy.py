@@ -44,8 +44,8 @@ NOTES = """
 
 - **Memory** is predicted before any run: model state by ZeRO's accounting, activations and temporaries
   by running the step on the meta device (shapes only), strategy terms as written in
-  `lit_parallel/parallel/peak.py`. The measurement is live-storage accounting
-  (`lit_parallel.parallel.live_memory.LiveMemory`) during a real step: torch 2.13 has no CPU allocator
+  `lit_parallel/planner/memory/peak.py`. The measurement is live-storage accounting
+  (`lit_parallel.measure.live_memory.LiveMemory`) during a real step: torch 2.13 has no CPU allocator
   statistics. ZeRO-2 and `fsdp_blocks` follow FSDP2 block by block: each block's gather holds its flat
   all-gather output next to the previous group's and the gathered parameters (dim 0 padded to a multiple
   of the ranks); the block's flat output lives until the next group is gathered (the last one until the
@@ -64,7 +64,7 @@ NOTES = """
   sharded) and Lightning's per-step overhead (a one-weight model's step). The unit is timed at the
   micro-batch and at a smaller batch (`pp_dp`'s micro-batch, or half), which splits its time into a cost
   per op and per FLOP that gives back the time at the micro-batch. What a strategy adds is measured by the
-  launch on five tiny calibration models (`lit_parallel/parallel/calibration.py`): a fixed cost, a cost
+  launch on five tiny calibration models (`lit_parallel/planner/time/calibration.py`): a fixed cost, a cost
   per FSDP group, per parameter tensor (from 132 tensors more in one model than in another: a long lever
   against the noise below) and per parameter byte, and DDP's broadcast of buffers for models that have
   them (a synchronisation in the middle of the forward: priced as one tiny collective instead, the rows
@@ -72,7 +72,7 @@ NOTES = """
   the ops and FLOPs (counted on the meta device), the slowest stage busy for every micro-batch and the
   others once (the bubble), and a measured cost per slot and, per slot, per FSDP group, parameter tensor
   and parameter byte of the largest stage (FSDP2 handles each of a stage's parameters for every
-  micro-batch; `lit_parallel/parallel/pipeline_time.py`). On CPU ranks the per-call costs, not the bytes,
+  micro-batch; `lit_parallel/planner/time/pipeline.py`). On CPU ranks the per-call costs, not the bytes,
   decide small models' steps: a tiny all-reduce costs 0.1-0.3 ms here, an FSDP group 2-7 ms. `advise
   --cluster FILE` reuses a launch's costs for any other model.
 - **Noise, and how the measurement deals with it.** This 2-core machine does not keep one speed. The same
@@ -82,7 +82,7 @@ NOTES = """
   that goes to memory, which the machine's neighbours slow down. A part timed a few seconds away from the
   step it predicts measures another machine. So `--verify` times the prediction's parts (the unit's
   forward + backward at both batches, AdamW) between the measured steps, one sample after each
-  (`lit_parallel.parallel.step_time.PartsTimer`), in the launch on every rank at once under the strategy
+  (`lit_parallel.planner.time.step.PartsTimer`), in the launch on every rank at once under the strategy
   being measured, and each sample counts at its slowest rank's time (a step that synchronises its ranks
   goes at the slowest one's pace; on `bert` under DDP that added 12 % to the compute). In one `gpt2` run
   the ratio of each measured step to the parts timed next to it had quartiles 0.92 / 0.98 / 1.04 while
@@ -94,7 +94,7 @@ NOTES = """
   read in every triple of rounds) the median round of 3 missed 25 % in 6 of 410 triples (median error
   5.5 %; the medians of 3 rounds' parts against the median of their steps: also 6, median 6.2 %); the
   median round of 5 missed in none of 41 (largest 16.9 %). What the FSDP strategies add is
-  timed there too (`lit_parallel/parallel/between_steps.py`): after each measured step of ZeRO-2,
+  timed there too (`lit_parallel/commands/advise/cost_timers.py`): after each measured step of ZeRO-2,
   `fsdp_blocks` or `hsdp`, every rank runs a training step of the `reference`, `thin` and `wide`
   calibration shapes sharded as the strategy shards them and of each whole, and the fixed cost and the
   cost per FSDP group come from those. Fitted from the calibration runs instead (Trainer steps of the
@@ -108,12 +108,12 @@ NOTES = """
 - **`hsdp` and `tp_dp`.** `hsdp` runs as 2 replicas of 1 rank (each rank a pretend node: both of its
   collectives run) and is predicted for 2 nodes of 1 device; with one rank per shard FSDP2 still gathers
   each block into a copy but makes no flat buffers. `tp_dp` runs the automatic plan over both ranks. Its
-  memory comes from one rank's model simulated on the meta device (`lit_parallel/parallel/tp_local.py`:
+  memory comes from one rank's model simulated on the meta device (`lit_parallel/planner/memory/tensor_parallel.py`:
   split layers with their per-rank shapes, head counts per rank), so activations a split layer makes are
   split and those it reads are whole, plus four copies of each row-wise layer's output at its forward
   all-reduce. Its step time is the one-process compute with the share of parameters the plan splits
   divided by 2, and a cost measured like the others' plus a cost per all-reduce of the plan, timed between
-  the model's own `tp_dp` steps (`lit_parallel/parallel/between_steps.py`): after each measured step both ranks
+  the model's own `tp_dp` steps (`lit_parallel/commands/advise/cost_timers.py`): after each measured step both ranks
   run a forward + backward of the `paired` calibration shape (6 blocks of a column-wise and a row-wise
   Linear at width 4, 12 all-reduces) and of `thin` (none), split by the plan in plain PyTorch, and the
   difference over 12 is the cost. Fitted from the calibration runs instead, a few seconds away from the
@@ -142,7 +142,7 @@ NOT_COVERED = ""
 
 
 def run_one(model: str, extra: list[str], out: Path) -> tuple[dict | None, str]:
-    cmd = [sys.executable, "-m", "lit_parallel.cli", "advise", "--model", model, "--precision", "32-true",
+    cmd = [sys.executable, "-m", "lit_parallel.commands.cli", "advise", "--model", model, "--precision", "32-true",
            "--memory-gb", "1", "--devices", "2", "--verify", "--json", str(out), *extra]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900, check=False)

@@ -1,7 +1,7 @@
 """mkdocs hook: replaces ``<!-- advisor-rules -->`` with the advisor's rule table, so the documentation
-shows the rules lit_parallel applies (``lit_parallel.parallel.advisor.RULES``), never a copy of them."""
+shows the rules lit_parallel applies (``lit_parallel.planner.rules.RULES``), never a copy of them."""
 
-from lit_parallel.parallel.advisor import rules_markdown
+from lit_parallel.planner.rules import rules_markdown
 
 MARKER = "<!-- advisor-rules -->"
 

@@ -18,7 +18,7 @@ OUT = ROOT / "docs" / "lab" / "results"
 
 
 def main() -> int:
-    cmd = [sys.executable, "-m", "lit_parallel.cli", "lab", "all", "--out", str(OUT), *sys.argv[1:]]
+    cmd = [sys.executable, "-m", "lit_parallel.commands.cli", "lab", "all", "--out", str(OUT), *sys.argv[1:]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode
 

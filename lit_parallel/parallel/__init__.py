@@ -1,8 +1,13 @@
 """Pure PyTorch building blocks (no Lightning import): usable without a Trainer."""
 
 # blocks, fsdp, mesh, memory: FSDP2 per transformer block (issue 3); buckets, comm, ddp: DDP (issue 2)
+from lit_parallel.formatting import divisors, format_bytes, format_choices
+from lit_parallel.measure.collectives import Collective, CollectiveStats, CommCounter, count_collectives
+
+# exposed communication under any strategy (PitfallReport, issue 5)
+from lit_parallel.measure.waits import CollectiveWaitTimer, Window, transfer_waits
 from lit_parallel.parallel.blocks import BlockPlan, NoBlocksFoundError, find_transformer_blocks
-from lit_parallel.parallel.buckets import (
+from lit_parallel.parallel.ddp.buckets import (
     AllReduceMeasurement,
     BucketPlan,
     broadcast_measurement,
@@ -10,9 +15,12 @@ from lit_parallel.parallel.buckets import (
     gradient_bytes_in_ready_order,
     measure_allreduce,
 )
-from lit_parallel.parallel.comm import Collective, CollectiveStats, CommCounter, count_collectives
-from lit_parallel.parallel.ddp import COMM_HOOKS, average_gradients, build_comm_hook, validate_comm_hook
-from lit_parallel.parallel.formatting import divisors, format_bytes, format_choices
+from lit_parallel.parallel.ddp.comm_hooks import (
+    COMM_HOOKS,
+    average_gradients,
+    build_comm_hook,
+    validate_comm_hook,
+)
 from lit_parallel.parallel.fsdp import (
     FSDPPlan,
     apply_fsdp,
@@ -52,10 +60,7 @@ from lit_parallel.parallel.tensor_parallel import (
 )
 
 # tensor parallelism inside blocks: plan inference and application (issue 4); per-family plan providers
-from lit_parallel.parallel.tp_families import PLAN_PROVIDERS, PlanProvider
-
-# exposed communication under any strategy (PitfallReport, issue 5)
-from lit_parallel.parallel.waits import CollectiveWaitTimer, Window, transfer_waits
+from lit_parallel.parallel.tensor_parallel.families import PLAN_PROVIDERS, PlanProvider
 
 __all__ = [
     "AllReduceMeasurement",

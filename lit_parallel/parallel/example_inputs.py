@@ -180,3 +180,23 @@ def call_with(model: nn.Module, example_inputs: Any) -> Callable[[], Any]:
     if isinstance(example_inputs, dict):
         return partial(model, **example_inputs)
     return partial(model, example_inputs)
+
+
+def real_inputs(example_args: tuple, vocab: int | None) -> tuple:
+    """Real CPU tensors shaped like the (meta) example input: token ids below ``vocab``, floats random."""
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for a in example_args:
+        if not isinstance(a, torch.Tensor):
+            out.append(a)
+        elif a.is_floating_point():
+            out.append(torch.randn(a.shape, generator=g))
+        else:
+            out.append(torch.randint(0, max(2, vocab or 2), a.shape, generator=g, dtype=a.dtype))
+    return tuple(out)
+
+
+def vocabulary(module: nn.Module) -> int | None:
+    """The first embedding's number of rows (token ids must stay below it)."""
+    emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else None

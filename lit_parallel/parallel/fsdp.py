@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_parallel._compat import foreach_mul_
+from lit_parallel.formatting import format_bytes
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
-from lit_parallel.parallel.formatting import format_bytes
 from lit_parallel.parallel.materialize import mesh_device
 from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
 from lit_parallel.parallel.mesh import ParallelDims

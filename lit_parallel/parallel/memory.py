@@ -8,7 +8,7 @@ ZeRO-2 (FSDP with ``reshard_after_forward=False``) 2 units, ZeRO-3 (``True``) 3 
 (N-1)/N * P * bytes per gradient element.
 
 Measurements: :func:`training_state_bytes` sums what this rank really holds (local shards of DTensors);
-collectives are counted by :mod:`lit_parallel.parallel.comm`.
+collectives are counted by :mod:`lit_parallel.measure.collectives`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lit_parallel.parallel.formatting import format_bytes
+from lit_parallel.formatting import format_bytes
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from lit_parallel._compat import flatten_mesh
-from lit_parallel.parallel.formatting import divisors, format_choices
+from lit_parallel.formatting import divisors, format_choices
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -15,7 +15,7 @@ each in one place:
   writes single files safely and verifies them before a ``weights_only`` load; sharded (DCP) checkpoints
   are saved and loaded by functions of :mod:`~lit_parallel.reliability.checkpoints` that the sharded
   strategies' ``save_checkpoint`` / ``load_checkpoint`` call;
-- a callback the strategy adds to its Trainer (:class:`~lit_parallel.reliability.callback.ReliabilityCallback`)
+- a callback the strategy adds to its Trainer (:class:`~lit_parallel.reliability.core.ReliabilityCallback`)
   marks progress, checks that each loss reaches the model, checks for preemption at optimizer-step
   boundaries, and stores and takes over every rank's RNG states.
 
@@ -49,14 +49,13 @@ The features:
   resumes from it (Lightning picks the newest ``hpc_ckpt_*`` on SLURM).
 - **Checkpoint integrity**: files and folders are written under a temporary name and renamed into place when
   complete; loading checks completeness first and never executes pickled code (see
-  :mod:`lit_parallel.checkpoint`).
+  :mod:`lit_parallel.checkpoint.load`).
 - **Process group ownership**: a process group the strategy created is destroyed when the process exits (or
   right away when the run failed, so a retry in the same process starts clean); one that existed before
   (torchrun's, a test harness's, the user's) is left to its creator.
 """
 
-from lit_parallel.reliability.callback import ReliabilityCallback, _reaches_a_parameter
-from lit_parallel.reliability.core import Reliability
+from lit_parallel.reliability.core import Reliability, ReliabilityCallback, _reaches_a_parameter
 from lit_parallel.reliability.options import (
     DEBUG_LEVELS,
     LAUNCHER_PID_ENV,

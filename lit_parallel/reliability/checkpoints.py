@@ -21,24 +21,23 @@ from lightning.fabric.plugins import CheckpointIO
 from typing_extensions import override
 
 from lit_parallel import _compat, _logging
-from lit_parallel.checkpoint import (
-    LIGHTNING_META,
+from lit_parallel.checkpoint.convert import full_checkpoint
+from lit_parallel.checkpoint.load import LIGHTNING_META, dcp_load, verify_checkpoint
+from lit_parallel.checkpoint.write import (
     atomic_save,
     check_replaceable,
     commit,
-    dcp_load,
-    full_checkpoint,
+    is_write_failure,
     new_partial_path,
-    verify_checkpoint,
+    write_error,
 )
-from lit_parallel.checkpoint_writes import is_write_failure, write_error
 from lit_parallel.reliability.options import RNG_KEY
 from lit_parallel.rng import capture_rng_state
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lit_parallel.reliability.core import Reliability
+    from lit_parallel.reliability.reports import _Progress
 
 
 # tp_dp records the layout of its optimizer state when fused layers reorder its rows
@@ -79,11 +78,9 @@ class ReliableCheckpointIO(CheckpointIO):
     (never over a folder that is not a checkpoint); loads are verified first and use ``weights_only=True``
     unless asked otherwise. Loading runs on every rank: the path is rank 0's."""
 
-    def __init__(
-        self, inner: CheckpointIO, reliability: Reliability, broadcast: Callable[[Any], Any]
-    ) -> None:
+    def __init__(self, inner: CheckpointIO, progress: _Progress, broadcast: Callable[[Any], Any]) -> None:
         self.inner = inner
-        self._reliability = reliability
+        self._progress = progress
         self._broadcast = broadcast
 
     @override
@@ -92,7 +89,7 @@ class ReliableCheckpointIO(CheckpointIO):
     ) -> None:
         if _is_remote(path):
             return self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
-        self._reliability.progress.saving(path)
+        self._progress.saving(path)
         atomic_save(
             lambda tmp: self.inner.save_checkpoint(checkpoint, tmp, storage_options=storage_options), path
         )
@@ -102,7 +99,7 @@ class ReliableCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict:
-        self._reliability.progress.at(f"restoring the checkpoint {str(path)!r}")
+        self._progress.at(f"restoring the checkpoint {str(path)!r}")
         if not _is_remote(path):
             path = Path(self._broadcast(str(path)))
             if verify_checkpoint(path) == "sharded":

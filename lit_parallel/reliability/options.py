@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -13,6 +14,10 @@ LAUNCHER_PID_ENV = "LIT_PARALLEL_LAUNCHER_PID"
 # how long a failing rank waits for the others' answers before it reports a timeout or a divergence
 REPORT_WAIT_S = 2.0
 POLL_S = 0.2
+# stall_timeout="auto" (lit_parallel.reliability.stall)
+AUTO_FACTOR = 10.0  # "auto": this many times the slowest of the recent steps ...
+AUTO_FLOOR_S = 120.0  # ... but at least this (steps under a second: reported within about two minutes) ...
+AUTO_CEILING_S = 1800.0  # ... and at most this (torch's default collective timeout)
 
 DebugLevel = Literal["off", "info", "detail"]
 PreemptionSignal = Literal["auto"] | int | signal.Signals | str | None
@@ -57,9 +62,27 @@ class ReliabilityOptions:
         if not isinstance(self.watchdog, bool):
             raise ValueError(f"watchdog={self.watchdog!r} must be True or False")
         object.__setattr__(self, "preemption_signal", _parse_signal(self.preemption_signal))
-        from lit_parallel.reliability.stall import check_stall_timeout
-
         object.__setattr__(self, "stall_timeout", check_stall_timeout(self.stall_timeout))
+
+
+def check_stall_timeout(value: Any) -> Literal["auto"] | float | None:
+    """The validated ``stall_timeout``: ``"auto"``, a positive number of seconds, or ``None`` (off)."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"stall_timeout={value!r} must be 'auto' ({AUTO_FACTOR:g} x the slowest recent training step, at least"
+            f" {AUTO_FLOOR_S:g} s and at most {AUTO_CEILING_S:g} s), a positive number of seconds, or None /"
+            " False (no stall reports)"
+        )
+    return float(value)
 
 
 def _parse_signal(value: Any) -> Any:

@@ -7,13 +7,13 @@ import itertools
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 from lit_parallel import _compat, _logging
-from lit_parallel.checkpoint import (
+from lit_parallel.checkpoint.load import (
     PARTIAL_PREFIX,
     IncompleteCheckpointError,
     NotACheckpointError,
@@ -24,7 +24,13 @@ from lit_parallel.checkpoint import (
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lit_parallel.reliability.core import Reliability
+
+class ResumeRNG(Protocol):
+    """What a mid-epoch resume reads and sets of the run's state (the strategy's ``Reliability``): the RNG
+    states a restore brought back, and those in effect at the resumed epoch's first batch."""
+
+    rng_restored: dict | None
+    rng_at_first_batch: dict | None
 
 
 class _SkipFirst(Sampler):
@@ -64,7 +70,7 @@ _MID_EPOCH_FIX = (
 )
 
 
-def resume_mid_epoch(reliability: Reliability, trainer: pl.Trainer, loader: Any) -> None:
+def resume_mid_epoch(reliability: ResumeRNG, trainer: pl.Trainer, loader: Any) -> None:
     """Continue a mid-epoch checkpoint with the first batch the epoch has not used, or refuse."""
     fit_loop = trainer.fit_loop
     progress = fit_loop.epoch_loop.batch_progress.current
@@ -151,7 +157,7 @@ def checkpoint_candidates(
 def newest_complete_checkpoint(
     folders: Iterable[str | Path], extensions: Iterable[str] = (".ckpt",)
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint in ``folders`` that :func:`~lit_parallel.checkpoint.verify_checkpoint` finds
+    """The newest checkpoint in ``folders`` that :func:`~lit_parallel.checkpoint.load.verify_checkpoint` finds
     complete, and the newer ones skipped with the reason (truncated, missing files, not a checkpoint)."""
     skipped: list[tuple[Path, str]] = []
     for path in checkpoint_candidates(folders, extensions):

@@ -12,7 +12,6 @@ reported, by exactly one rank.
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -21,12 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from lit_parallel.reliability.options import REPORT_WAIT_S, _stderr
+from lit_parallel.reliability.options import (
+    AUTO_CEILING_S,
+    AUTO_FACTOR,
+    AUTO_FLOOR_S,
+    REPORT_WAIT_S,
+    _stderr,
+)
 
 STALL_EXIT_CODE = 124  # as timeout(1)
-AUTO_FACTOR = 10.0  # "auto": this many times the slowest of the recent steps ...
-AUTO_FLOOR_S = 120.0  # ... but at least this (steps under a second: reported within about two minutes) ...
-AUTO_CEILING_S = 1800.0  # ... and at most this (torch's default collective timeout)
 PAUSED_CEILING_S = 1800.0  # a rank loading data, validating or saving for longer than this is stalled too
 RECENT_STEPS = 100
 WARMUP_STEPS = 2  # not timed: compilation, warm-up (ddp_tuned wraps the model in DDP on the second step)
@@ -34,26 +36,6 @@ CHECK_S = 1.0  # how often each rank's watchdog thread looks at its clock and at
 _END = 1 << 40  # added to the query counter: the run ends
 
 StallTimeout = Literal["auto"] | float | int | bool | None
-
-
-def check_stall_timeout(value: Any) -> Literal["auto"] | float | None:
-    """The validated ``stall_timeout``: ``"auto"``, a positive number of seconds, or ``None`` (off)."""
-    if value is None or value is False:
-        return None
-    if isinstance(value, str) and value == "auto":
-        return "auto"
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(
-            f"stall_timeout={value!r} must be 'auto' ({AUTO_FACTOR:g} x the slowest recent training step, at least"
-            f" {AUTO_FLOOR_S:g} s and at most {AUTO_CEILING_S:g} s), a positive number of seconds, or None /"
-            " False (no stall reports)"
-        )
-    return float(value)
 
 
 def step_deadline_s(setting: Literal["auto"] | float | None, slowest_step_s: float | None) -> float | None:

@@ -1,6 +1,6 @@
 """AutoStrategy ("auto_parallel"): measure the model and the devices, then hand over to the strategy that fits.
 
-The choice is made by the advisor's ordered rules (:data:`lit_parallel.parallel.advisor.RULES`, the same
+The choice is made by the advisor's ordered rules (:data:`lit_parallel.planner.rules.RULES`, the same
 table ``lit-parallel advise`` prints and the documentation shows) as soon as the model is known: under
 Lightning's launcher before it starts the other ranks, otherwise when the Trainer attaches the model
 (``connect``). That is before any process group exists, on every rank, from numbers every rank computes
@@ -38,8 +38,15 @@ from typing_extensions import override
 
 from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
-from lit_parallel.parallel.advisor import GB, PRECISIONS, RULES, Advice, advise, device_memory_bytes
-from lit_parallel.parallel.pipeline_advice import pipeline_plan_for
+from lit_parallel.planner.rules import (
+    GB,
+    PRECISIONS,
+    RULES,
+    Advice,
+    advise,
+    device_memory_bytes,
+    pipeline_plan_for,
+)
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.rng import capture_rng_state, restore_rng_state
@@ -89,7 +96,7 @@ class AutoStrategy(DDPStrategy):
 
     The decision, the evidence for each rule and the per-rank memory table of every strategy are logged
     on rank 0 (logger ``lit_parallel``) and kept as ``trainer.strategy.advice``
-    (:class:`~lit_parallel.parallel.advisor.Advice`). From then on ``trainer.strategy`` is the chosen
+    (:class:`~lit_parallel.planner.rules.Advice`). From then on ``trainer.strategy`` is the chosen
     strategy; this object, a ``DDPStrategy`` until then (every candidate uses the same launcher), keeps
     ``advice`` and ``chosen``.
 

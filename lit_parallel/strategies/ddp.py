@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lit_parallel import _compat
 from lit_parallel._logging import info
-from lit_parallel.parallel.buckets import (
+from lit_parallel.parallel.ddp.buckets import (
     AllReduceMeasurement,
     BucketPlan,
     MiB,
@@ -28,7 +28,7 @@ from lit_parallel.parallel.buckets import (
     needs_single_bucket,
     single_bucket_plan,
 )
-from lit_parallel.parallel.ddp import average_gradients, build_comm_hook, validate_comm_hook
+from lit_parallel.parallel.ddp.comm_hooks import average_gradients, build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.reliability.stall import StallTimeout

@@ -6,8 +6,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
-from lit_parallel.parallel.buckets import MiB
-from lit_parallel.parallel.ddp import validate_comm_hook
+from lit_parallel.parallel.ddp.buckets import MiB
+from lit_parallel.parallel.ddp.comm_hooks import validate_comm_hook
 from lit_parallel.strategies.arguments import START_METHODS, check_common, check_ddp_kwargs
 
 # torch._dynamo's DDPOptimizer (compiled modules inside DDP) assumes DDP's default 1 MiB first bucket and

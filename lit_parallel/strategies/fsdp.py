@@ -37,6 +37,7 @@ from lit_parallel.parallel.fsdp import (
 )
 from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
+from lit_parallel.plugins.precision.fsdp import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
 from lit_parallel.reliability.resume import install_auto_resume
@@ -47,7 +48,6 @@ from lit_parallel.strategies.arguments import (
     check_optional_path,
     checked_argument_names,
 )
-from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -1,7 +1,7 @@
 """PipelineParallelStrategy ("pp_dp"): pipeline stages (outermost), FSDP2 and optional TP inside each stage.
 
-A thin shell: the plan comes from :func:`~lit_parallel.parallel.pipeline.plan_pipeline`, the stages from
-:func:`~lit_parallel.parallel.pipeline_schedule.parallelize_stages`, the schedule from torch's
+A thin shell: the plan comes from :func:`~lit_parallel.parallel.pipeline.plan.plan_pipeline`, the stages from
+:func:`~lit_parallel.parallel.pipeline.schedule.parallelize_stages`, the schedule from torch's
 ``torch.distributed.pipelining``. Lightning's loop stays in charge of the optimizer, accumulation, clipping,
 logging and checkpoints; the strategy's ``training_step`` runs the schedule (forward and backward of every
 micro-batch), so Lightning's backward call becomes a no-op.
@@ -27,50 +27,33 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lit_parallel._logging import info
-from lit_parallel.checkpoint import verify_checkpoint
+from lit_parallel.checkpoint.load import verify_checkpoint
 from lit_parallel.parallel.blocks import find_transformer_blocks
 from lit_parallel.parallel.mesh import ParallelDims, Size, check_size
-from lit_parallel.parallel.pipeline import ZERO_BUBBLE, check_schedule, plan_pipeline
-from lit_parallel.parallel.pipeline_checkpoint import (
+from lit_parallel.parallel.pipeline.checkpoint import (
     globalize_param_groups,
     load_full_checkpoint_file,
     load_pipeline_checkpoint,
 )
-from lit_parallel.parallel.pipeline_schedule import (
+from lit_parallel.parallel.pipeline.plan import ZERO_BUBBLE, check_schedule, plan_pipeline
+from lit_parallel.parallel.pipeline.schedule import (
     HeldGradients,
     Pipeline,
     build_pipeline,
-    clip_grad_norm_across_stages,
     parallelize_stages,
     step_mean_loss,
 )
 from lit_parallel.parallel.tensor_parallel import plan_from_spec
+from lit_parallel.plugins.precision.fsdp import FSDPHalfPrecision
+from lit_parallel.plugins.precision.pipeline import PipelineClipping, PipelineHalfPrecision, PipelinePrecision
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
-from lit_parallel.strategies.fsdp_precision import FSDPHalfPrecision, FSDPPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.fsdp import MixedPrecisionPolicy
-
-
-class _PipelineClipping:
-    """Clipping by one norm over every stage (each rank holds only its stages' gradients)."""
-
-    pp_group: Any = None
-
-    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_across_stages(self.main_params(optimizer), clip_val, self.pp_group)  # type: ignore[attr-defined]
-
-
-class PipelinePrecision(_PipelineClipping, FSDPPrecision):
-    """``32-true`` / ``bf16-mixed`` (FSDP2's policy casts) with clipping across stages."""
-
-
-class PipelineHalfPrecision(_PipelineClipping, FSDPHalfPrecision):
-    """``bf16-true`` / ``16-true`` with clipping across stages."""
 
 
 def _default_split_batch(batch: Any) -> tuple[Any, Any]:
@@ -199,7 +182,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
 
     @override
     def _resolve_precision(self) -> None:
-        if isinstance(self._precision_plugin, _PipelineClipping):
+        if isinstance(self._precision_plugin, PipelineClipping):
             return
         super()._resolve_precision()
         flag = self._precision_plugin.precision
@@ -345,7 +328,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             self._held = None
         return closure_loss
 
-    # --- checkpoints: the optimizer's groups name the whole model (see parallel/pipeline_checkpoint.py) ----
+    # --- checkpoints: the optimizer's groups name the whole model (see parallel/pipeline/checkpoint.py) ----
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -9,10 +9,9 @@ def slowest_rank_timing(ctx) -> dict:
     """A real :class:`PartsTimer` on every rank, given made-up samples (rank r's first part takes r + 1 ms
     in sample 0 and 3 - r ms in sample 1): the timing every rank gets back is the slowest rank's, sample by
     sample."""
-    from lit_parallel.advise_report import shaped_input
-    from lit_parallel.advise_rounds import slowest_rank_timing
-    from lit_parallel.parallel.model_summary import build_on_meta
-    from lit_parallel.parallel.step_time import PartsTimer
+    from lit_parallel.commands.advise.measure import slowest_rank_timing
+    from lit_parallel.planner.model_summary import build_on_meta, shaped_input
+    from lit_parallel.planner.time.step import PartsTimer
     from tests.conformance_models import FEATURES, mlp
 
     timer = PartsTimer(
@@ -34,11 +33,10 @@ def tp_all_reduces(ctx) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_parallel.advise_verify import real_inputs, vocabulary
-    from lit_parallel.parallel.example_inputs import meta_example_input
-    from lit_parallel.parallel.step_simulation import default_loss
-    from lit_parallel.parallel.tp_apply import apply_tp
-    from lit_parallel.parallel.tp_infer import infer_tp_plan
+    from lit_parallel.parallel.example_inputs import meta_example_input, real_inputs, vocabulary
+    from lit_parallel.parallel.tensor_parallel.apply import apply_tp
+    from lit_parallel.parallel.tensor_parallel.infer import infer_tp_plan
+    from lit_parallel.planner.simulation import default_loss
     from tests import conformance_models as cm
 
     mesh = init_device_mesh("cpu", (2,))
@@ -59,7 +57,7 @@ def tp_all_reduces(ctx) -> dict:
 def all_reduce_timer(ctx) -> dict:
     """tp_dp's :class:`AllReduceTimer` on both ranks: four real samples, then made-up ones (rank r's paired
     forward + backward takes 10 + r, 20 - r, 30 and 40 ms, its thin one 1, 2, 3 + r and 4 ms)."""
-    from lit_parallel.parallel.between_steps import AllReduceTimer
+    from lit_parallel.commands.advise.cost_timers import AllReduceTimer
 
     timer = AllReduceTimer()
     for _ in range(4):
@@ -76,7 +74,7 @@ def fsdp_cost_timer(ctx) -> dict:
     costs, and the gloo collectives torch's profiler records in one training step of each sharded shape."""
     import torch
 
-    from lit_parallel.advise_verify import between_step_timer
+    from lit_parallel.commands.advise.measure import between_step_timer
 
     out = {}
     for name in ("zero2", "fsdp_blocks", "hsdp"):

@@ -212,7 +212,7 @@ def wait_timer(ctx) -> dict:
     another thread (not timed)."""
     import threading
 
-    from lit_parallel.parallel.waits import CollectiveWaitTimer
+    from lit_parallel.measure.waits import CollectiveWaitTimer
 
     originals = (dist.all_reduce, dist.Work.__dict__["wait"])
     timer = CollectiveWaitTimer("cpu").install()

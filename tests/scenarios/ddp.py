@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_parallel import TunedDDPStrategy
-from lit_parallel.parallel.comm import CollectiveStats, count_collectives
+from lit_parallel.measure.collectives import CollectiveStats, count_collectives
 
 IN, HIDDEN, OUT = 16, 32, 4
 LR = 0.1

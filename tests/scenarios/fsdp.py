@@ -638,7 +638,7 @@ def live_memory_categories(ctx) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lit_parallel.parallel.live_memory import LiveMemory
+    from lit_parallel.measure.live_memory import LiveMemory
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(LIVE_IN, LIVE_OUT), torch.nn.Tanh())

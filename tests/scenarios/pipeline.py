@@ -183,7 +183,7 @@ def checkpoints(ctx):
     """Save under pp2 after one epoch; load under pp1 (dp2), fsdp_blocks, ddp_tuned (through a consolidated
     file) and nothing is trained (the loaded weights); save under fsdp_blocks and ddp_tuned and load under pp2;
     resume pp2 for a second epoch."""
-    from lit_parallel.checkpoint import consolidate, consolidate_checkpoint
+    from lit_parallel.checkpoint.convert import consolidate, consolidate_checkpoint
 
     root = Path(ctx.outdir)
     out: dict = {}
@@ -232,7 +232,7 @@ class P2PRecorder(Callback):
         self.peaks: list[dict] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lit_parallel.parallel.pipeline_comm import count_p2p
+        from lit_parallel.measure.p2p import count_p2p
 
         self._ctx = count_p2p()
         self._record = self._ctx.__enter__()

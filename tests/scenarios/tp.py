@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lit_parallel as lp
+from lit_parallel.measure.collectives import CommCounter
 from lit_parallel.parallel import (
     ParallelDims,
     apply_tp,
@@ -21,7 +22,6 @@ from lit_parallel.parallel import (
     infer_tp_plan,
     local_parameter_bytes,
 )
-from lit_parallel.parallel.comm import CommCounter
 from tests.models import Llama
 from tests.scenarios.common import quiet_trainer as trainer
 from tests.tp_models import TPGPT
@@ -204,7 +204,7 @@ def bench_model() -> torch.nn.Module:
     """The benchmark's GPT: fused qkv viewed as (3, heads, head_dim), not split with chunk()."""
     from argparse import Namespace
 
-    from lit_parallel.bench.common import make_gpt
+    from lit_parallel.commands.bench.common import make_gpt
 
     return make_gpt(Namespace(dim=32, heads=4, layers=2, vocab=VOCAB, seq=SEQ))
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_parallel.parallel import ParallelDims, apply_tp, infer_tp_plan
-from lit_parallel.parallel.tp_plan import fused_permutation
+from lit_parallel.parallel.tensor_parallel.plan import fused_permutation
 
 VOCAB, SEQ, BATCH = 64, 8, 2
 

@@ -1,0 +1,364 @@
+"""Per-rank peak memory of one training step under each strategy, predicted before any run.
+
+Model state (parameters, gradients, optimizer state) is ZeRO's accounting per rank
+(:mod:`lit_parallel.planner.memory.table`); activations and the temporaries of forward and backward come
+from one step simulated on the meta device (:mod:`lit_parallel.planner.simulation`); what each
+strategy adds is written out below. The step follows Lightning's order: ``training_step`` (forward) runs
+while last step's gradients still exist, ``zero_grad`` comes after it, then backward, then
+``optimizer.step`` (AdamW). The peak is the largest of three moments:
+
+* forward (its highest point, usually its end): state + last step's gradients + the activations saved
+  so far + temporaries (the output, the loss's intermediate results);
+* inside backward: state + the gradients so far + the activations not yet freed + gradient temporaries;
+* optimizer step: state + all gradients + AdamW's scratch (two fp32 tensors of the largest parameter in
+  the for-loop implementation torch uses on CPU; one fp32 copy of every parameter with ``foreach``, its
+  default on CUDA).
+
+What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype):
+
+* ``ddp_tuned``: gradients live in DDP's buckets (``gradient_as_bucket_view``) for the whole step.
+* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node) and ZeRO-2 (``fsdp_blocks`` with
+  ``reshard_after_forward=False``), as FSDP2 in torch 2.13 does it (``_fsdp_collectives.py``,
+  ``_fsdp_param_group.py``). Every FSDP group (each block, and the root: the parameters outside blocks)
+  is gathered into unsharded parameters of its padded size ``P`` (dim 0 of each parameter padded to a
+  multiple of ``N``); shards, and the sharded gradients, are ``P / N`` each. Forward, per block ``k``
+  (sizes from the meta simulation at that block's start, inside it and after it):
+
+  - the copy-out of block ``k``: the flat all-gather output of block ``k`` (``P_k``) and of the group
+    before it (kept until this copy-out returns) next to the gathered parameters;
+  - inside and after block ``k``: block ``k``'s flat output (kept until the next group's copy-out or the
+    root's forward returns: the root is the LightningModule and its forward ``training_step``, so the
+    last block's flat output is still there when the loss is computed);
+  - gathered parameters: the root all the time, block ``k`` while it runs; ZeRO-2 keeps every block
+    gathered until its gradients are reduce-scattered.
+
+  Backward: the loss's and the head's part, before the last block's (the root gathered, ZeRO-3's root
+  prefetching the last block's all-gather); then, as block ``k``'s gradients are done: its
+  unsharded gradient next to its gathered parameters; then (both freed) the reduce-scatter input
+  (``P_k``), its output (the new sharded gradient, ``P_k / N``) and, on gloo (CPU), the collective's
+  copy of the input (``P_k``); blocks after ``k`` hold sharded gradients, the root's gradients stay
+  unsharded until backward ends; ZeRO-3 also holds block ``k-1``'s prefetched all-gather output, ZeRO-2
+  the blocks before ``k`` still gathered.
+
+  Categories, as :class:`~lit_parallel.measure.live_memory.LiveMemory` measures them: gathered
+  parameters are ``params``; unsharded gradients and the reduce-scatter output (the sharded gradient)
+  ``grads``; flat all-gather outputs (also a prefetched one), reduce-scatter inputs and gloo's copies
+  ``temporaries``.
+* ``tp_dp`` with its plan (``advise`` infers it): one tensor-parallel rank's model
+  (:mod:`lit_parallel.planner.memory.tensor_parallel`: split layers with their per-rank shapes, head counts per rank)
+  simulated on meta, under FSDP2's moments over the data-parallel ranks (over one: no flat buffers, the
+  root's gathered copy); and each row-wise layer's forward all-reduce, with its block gathered (measured
+  so on DTensor parameters) and four copies of its output (the partial sum, the result, gloo's two
+  buffers).
+  Without a plan: activations and temporaries inside blocks divided by the tensor-parallel size.
+* ``pp_dp``: the largest pipeline stage, from one micro-batch simulated with its activations attributed
+  to the blocks (:mod:`lit_parallel.planner.memory.pipeline`, where its terms are written out).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel.planner.precision import precision_bytes
+from lit_parallel.planner.simulation import StepSimulation
+
+STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
+# tp_dp: copies of a row-wise layer's output live at its forward all-reduce (the partial sum, the reduced
+# result, gloo's input and output buffers): 4 at the measured peaks of vit, mlp and BlockMLP
+TP_ALL_REDUCE_COPIES = 4
+LABELS = {
+    "one_process": "one process (no DDP)",
+    "ddp_tuned": "ddp_tuned",
+    "zero2": "ZeRO-2 (fsdp_blocks, reshard_after_forward=False)",
+    "fsdp_blocks": "fsdp_blocks (ZeRO-3)",
+    "hsdp": "hsdp",
+    "tp_dp": "tp_dp",
+    "pp_dp": "pp_dp (largest stage)",
+}
+_ROW = {"one_process": "DDP", "ddp_tuned": "DDP", "zero2": "ZeRO-2", "fsdp_blocks": "FSDP/ZeRO-3"}
+_ROW.update({"hsdp": "HSDP", "tp_dp": "TP+DP"})
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Bytes per rank at the peak of one step, by category, and the moment it happens."""
+
+    strategy: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    temporaries: float
+    phase: str  # "forward", "backward" or "optimizer step"
+    moment: str = ""  # which moment of that phase (FSDP: which block's gather or reduce-scatter)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+    def as_dict(self) -> dict[str, Any]:
+        keys = ("params", "grads", "optimizer", "activations", "temporaries", "total")
+        return {
+            "phase": self.phase,
+            "moment": self.moment or self.phase,
+            **{f"{k}_bytes": float(getattr(self, k)) for k in keys},
+        }
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The counts the strategy terms need, in elements; ``*_shapes``: ``(dim 0, elements per row)`` of each
+    parameter of every block (module order) and of the root (the parameters outside blocks)."""
+
+    params: int
+    trainable: int
+    param_tensors: int
+    largest_param: int
+    block_params: int
+    largest_block: int
+    block_shapes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    root_shapes: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, module: nn.Module, blocks: list[nn.Module]) -> ModelShape:
+        params = list(dict.fromkeys(module.parameters()))
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        return cls(
+            params=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            param_tensors=sum(1 for p in params if p.requires_grad),
+            largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
+            block_params=sum(sizes),
+            largest_block=max(sizes, default=0),
+            block_shapes=tuple(_rows(b.parameters()) for b in blocks),
+            root_shapes=_rows([p for p in params if id(p) not in in_blocks]),
+        )
+
+
+def _rows(params: Any) -> tuple[tuple[int, int], ...]:
+    return tuple((p.shape[0], math.prod(p.shape[1:])) if p.dim() else (1, 1) for p in params)
+
+
+def padded(shapes: tuple[tuple[int, int], ...], shard: int) -> int:
+    """Elements FSDP2 gathers for these parameters over ``shard`` ranks: dim 0 of each parameter padded to
+    a multiple of ``shard`` (``_get_dim0_padded_size``); also the size of their flat all-gather output
+    and reduce-scatter input."""
+    return sum(-(-rows // shard) * shard * per_row for rows, per_row in shapes)
+
+
+@dataclass
+class PeakReport:
+    """Every prediction for one model, micro-batch, precision and cluster shape."""
+
+    precision: str
+    devices: int
+    nodes: int
+    batch_size: int
+    input_description: str
+    shape: ModelShape
+    peaks: dict[str, Peak] = field(default_factory=dict)  # strategy -> without checkpointing
+    peaks_checkpointed: dict[str, Peak] = field(default_factory=dict)
+    activations: dict[str, dict[str, float]] = field(default_factory=dict)  # precision -> {"off", "on"}
+    block_activation_share: float = 0.0
+    pipeline: Any = None  # pp_dp's layout, step-time inputs: memory.pipeline.PipelinePrediction
+    notes: list[str] = field(default_factory=list)
+    checkpointing_note: str = ""  # why the "with AC" figures are the ones without, when they are
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "batch_size": self.batch_size,
+            "input": self.input_description,
+            "activations_bytes": self.activations,
+            "peak": {
+                s: {
+                    "label": LABELS[s],
+                    "activation_checkpointing_off": self.peaks[s].as_dict(),
+                    "activation_checkpointing_on": self.peaks_checkpointed[s].as_dict(),
+                }
+                for s in self.peaks
+            },
+            **({"pipeline": self.pipeline.as_dict()} if self.pipeline is not None else {}),
+        }
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
+
+
+def _strategy_peak(
+    strategy: str, sim: StepSimulation, rows: dict, shape: ModelShape, *, c: int, opt_bytes: int, extra: dict
+) -> Peak:
+    """The three moments of one step for ``strategy``; the largest wins."""
+    sharded = strategy in ("zero2", "fsdp_blocks", "hsdp", "tp_dp")
+    # ZeRO-2 here is FSDP2 without resharding: the state is sharded like ZeRO-3 (the parameters' shards
+    # are what is stored), and the gathered copies are the extra below
+    _, _, _, p, g, o = rows["FSDP/ZeRO-3" if strategy == "zero2" else _ROW[strategy]]
+    o += 4 * shape.param_tensors  # AdamW's step counters: one fp32 scalar per parameter tensor
+    fw, bw = sim.forward_peak.by_category, sim.backward_peak.by_category
+    share, tp, shard = extra["share"], extra["tp"], extra["shard"]
+
+    def split(n: float) -> float:  # tensor parallelism divides what happens inside blocks
+        return n * (share / tp + (1 - share)) if strategy == "tp_dp" else n
+
+    block_c = shape.largest_block * c / tp
+    root_c = (shape.params - shape.block_params) * c
+    if strategy in ("zero2", "fsdp_blocks", "hsdp"):
+        return _fsdp_peak(
+            strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"]
+        )
+    gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
+    if sharded:  # tp_dp: root kept gathered, one block in forward; in backward the next is prefetched too
+        gathered = {"fw": (root_c + block_c, 0.0), "bw": (root_c + block_c, block_c)}
+    fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
+    grads_bw = g if strategy == "ddp_tuned" else g * fraction  # DDP's buckets hold every gradient all step
+    moments = [
+        Peak(strategy, p + gathered["fw"][0], g, o, split(fw["activations"]),
+             split(fw["temporaries"]) + gathered["fw"][1], "forward"),
+        Peak(strategy, p + gathered["bw"][0], grads_bw, o, split(bw["activations"]),
+             split(bw["temporaries"]) + gathered["bw"][1], "backward"),
+        Peak(strategy, p, g, o, 0.0, opt_bytes / (shard if sharded else 1), "optimizer step"),
+    ]  # fmt: skip
+    return max(moments, key=lambda m: m.total)
+
+
+@dataclass(frozen=True)
+class _Fsdp:
+    """What FSDP2's moments are made of: the per-rank state (shards padded), the gathered bytes of the root
+    group and of each block (padded), whether blocks stay gathered (ZeRO-2), the ranks sharding, gloo;
+    ``flat``: 0 where the forward's flat all-gather outputs do not exist (one rank per shard)."""
+
+    strategy: str
+    p: float
+    g: float
+    o: float
+    root: float
+    blocks: list[float]
+    keep: bool
+    shard: int
+    gloo: bool
+    flat: float = 1.0
+
+
+def _fsdp_peak(
+    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    gloo: bool,
+) -> Peak:  # fmt: skip
+    """The largest of :func:`fsdp_moments`."""
+    moments = fsdp_moments(strategy, sim, shape, state, c=c, opt_bytes=opt_bytes, shard=shard, gloo=gloo)
+    return max(moments, key=lambda m: m.total)
+
+
+def fsdp_moments(
+    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    gloo: bool,
+) -> list[Peak]:  # fmt: skip
+    """FSDP2's moments (module docstring): each block's gather, inside and after it in forward, the loss,
+    each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
+    every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
+    ratio = padded(every, shard) / shape.params if shape.params else 1.0
+    # one rank per shard (HSDP of replicas of 1, tp_dp over one data-parallel rank): the gathered copies are
+    # there, the forward's flat all-gather outputs are not (measured so on BlockMLP, gpt2, vit and mlp)
+    f = _Fsdp(strategy, state[0] * ratio, state[1] * ratio, state[2],  # shards are padded; AdamW's state not
+              padded(shape.root_shapes, shard) * c, [padded(b, shard) * c for b in shape.block_shapes],
+              keep=strategy == "zero2", shard=shard, gloo=gloo, flat=0.0 if shard == 1 else 1.0)  # fmt: skip
+    moments = _fsdp_forward(f, sim) + _fsdp_backward(f, sim, shape, c)
+    moments.append(Peak(strategy, f.p, f.g, f.o, 0.0, opt_bytes / shard, "optimizer step"))
+    return moments
+
+
+def _fsdp_forward(f: _Fsdp, sim: StepSimulation) -> list[Peak]:
+    """Each block's gather, inside and after it; the loss."""
+    s, p, g, o, root, blocks = f.strategy, f.p, f.g, f.o, f.root, f.blocks
+    moments = []
+    if len(sim.block_starts) == len(blocks) == len(sim.block_inside) == len(sim.block_after):
+        for k, (act, tmp) in enumerate(sim.block_starts):
+            gathered = root + (sum(blocks[: k + 1]) if f.keep else blocks[k])
+            after = root + (sum(blocks[: k + 1]) if f.keep else 0.0)
+            # the copy-out of block k: its flat all-gather output and the previous group's coexist; block
+            # k's flat output is kept until the next group's copy-out (or the root's forward returns)
+            flats = f.flat * (blocks[k] + (blocks[k - 1] if k else root))
+            moments.append(Peak(s, p + gathered, g, o, act, tmp + flats, "forward", f"block {k} gathered"))
+            act, tmp = sim.block_inside[k]
+            moments.append(
+                Peak(s, p + gathered, g, o, act, tmp + f.flat * blocks[k], "forward", f"inside block {k}")
+            )
+            act, tmp = sim.block_after[k]
+            moments.append(
+                Peak(s, p + after, g, o, act, tmp + f.flat * blocks[k], "forward", f"after block {k}")
+            )
+    # the loss: the root's forward is the LightningModule's training_step (a registered FSDP forward
+    # method), so the last group's flat output lives until the loss is computed
+    fw = sim.forward_peak.by_category
+    last = blocks[-1] if blocks else root
+    moments.append(Peak(s, p + root + (sum(blocks) if f.keep else 0.0), g, o, fw["activations"],
+                        fw["temporaries"] + f.flat * last, "forward", "loss"))  # fmt: skip
+    return moments
+
+
+def _fsdp_backward(f: _Fsdp, sim: StepSimulation, shape: ModelShape, c: int) -> list[Peak]:
+    """Each block's reduce-scatter, the loss's and head's backward, the rest of backward."""
+    s, p, g, o, root, blocks, keep = f.strategy, f.p, f.g, f.o, f.root, f.blocks, f.keep
+    moments = []
+    # as block k's gradients are done: its unsharded gradients (grads) and gathered parameters (params),
+    # which are freed (resharded) before its reduce-scatter input (temporaries), output (the new sharded
+    # gradient: grads) and, on gloo, the collective's copy of the input (temporaries) exist, with the
+    # unsharded gradient of the block's last parameter (foreach_reduce's loop variable still holds it); the
+    # blocks after it hold sharded gradients, the root's so far are unsharded; ZeRO-2 keeps the blocks
+    # before k gathered, ZeRO-3 has block k-1's flat all-gather output prefetched (temporaries until copied)
+    full = [sum(r * n for r, n in b) for b in shape.block_shapes]
+    if len(sim.block_grads_done) == len(blocks):
+        for k, (act, tmp, grads) in enumerate(sim.block_grads_done):
+            last = math.prod(shape.block_shapes[k][-1]) * c if shape.block_shapes[k] else 0.0
+            before = (blocks[k], full[k] * c, 0.0)  # (params, grads, temporaries) before the reduce-scatter
+            during = (0.0, blocks[k] / f.shard + last, blocks[k] * (2 if f.gloo else 1))  # and during it
+            more_p, more_g, more_t = max(before, during, key=sum)
+            root_grads = max(0.0, grads - sum(full[k:]) * c)
+            sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
+            gathered = root + (sum(blocks[:k]) if keep else 0.0)
+            prefetched = blocks[k - 1] if k and not keep else 0.0
+            moments.append(Peak(s, p + gathered + more_p, sharded + root_grads + more_g, o, act,
+                                tmp + prefetched + more_t, "backward", f"block {k} reduce-scattered"))  # fmt: skip
+    # the loss's and the head's backward, before the last block's: only the root gathered (ZeRO-2: every
+    # block), the root's unsharded gradients so far; ZeRO-3's root prefetches the last block's all-gather
+    if sim.backward_head is not None and blocks:
+        head = sim.backward_head.by_category
+        moments.append(Peak(s, p + root + (sum(blocks) if keep else 0.0), head["grads"], o, head["activations"],
+                            head["temporaries"] + (0.0 if keep else blocks[-1]), "backward", "loss and head"))  # fmt: skip
+    # the rest of backward (its highest point may come before any block is done): ZeRO-3 has a block
+    # gathered and the next one's all-gather output prefetched
+    bw = (sim.backward_blocks or sim.backward_peak).by_category
+    fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
+    largest = max(blocks, default=0.0)
+    moments.append(Peak(s, p + root + (sum(blocks) if keep else largest), g * fraction, o, bw["activations"],
+                        bw["temporaries"] + (0.0 if keep else largest), "backward"))  # fmt: skip
+    return moments
+
+
+def add_strategy_peaks(
+    report: PeakReport, sims: dict[tuple[str, bool], StepSimulation], rows: dict, *, c: int, opt_bytes: int,
+    device_type: str,
+) -> None:  # fmt: skip
+    """Every strategy's peak from the one-process simulations, without and with checkpointing (the row
+    without, where checkpointing was not simulated), into ``report``."""
+    precision, devices, shape = report.precision, report.devices, report.shape
+    sim = sims[(precision, False)]
+    world = devices * report.nodes
+    for strategy in STRATEGIES:
+        extra = {
+            "share": report.block_activation_share,
+            "tp": devices if strategy == "tp_dp" else 1,
+            "shard": devices if strategy == "hsdp" else world,
+            "gloo": device_type == "cpu",  # gloo's reduce-scatter copies its input
+        }
+        args = {"c": c, "opt_bytes": opt_bytes, "extra": extra}
+        report.peaks[strategy] = _strategy_peak(strategy, sim, rows, shape, **args)
+        report.peaks_checkpointed[strategy] = _strategy_peak(
+            strategy, sims.get((precision, True), sim), rows, shape, **args
+        )

@@ -1,0 +1,107 @@
+"""Per-rank peak memory of one training step under every strategy, predicted before any run: the
+data-parallel strategies (:mod:`~lit_parallel.planner.memory.peak`), ``tp_dp``
+(:mod:`~lit_parallel.planner.memory.tensor_parallel`) and ``pp_dp``
+(:mod:`~lit_parallel.planner.memory.pipeline`) from the same simulated steps, into one
+:class:`~lit_parallel.planner.memory.peak.PeakReport`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lit_parallel.planner.activations import estimate_activations
+from lit_parallel.planner.memory.peak import ModelShape, PeakReport, add_strategy_peaks, compute_dtype
+from lit_parallel.planner.memory.pipeline import add_pipeline_peaks
+from lit_parallel.planner.memory.table import memory_rows
+from lit_parallel.planner.memory.tensor_parallel import tp_peaks
+from lit_parallel.planner.precision import canonical_precision, precision_bytes
+from lit_parallel.planner.simulation import StepSimulation, simulate_step
+
+
+def predict_peaks(
+    module: nn.Module,
+    *,
+    precision: str = "32-true",
+    devices: int = 1,
+    nodes: int = 1,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    example_inputs: Any = None,
+    block_names: list[str] = (),  # type: ignore[assignment]
+    device_type: str = "cuda",
+    tp_plan: Any = None,
+) -> PeakReport:
+    """Per-rank peak of one training step (AdamW) for every strategy, with and without checkpointing.
+
+    Args:
+        module: the model (any device: it is simulated on meta without copying memory).
+        precision: the Lightning precision flag.
+        devices, nodes: the cluster shape; the micro-batch is per rank.
+        block_names: the transformer blocks' qualified names (as found by ``find_transformer_blocks``).
+        device_type: where it will train: AdamW's default implementation is ``foreach`` on ``"cuda"`` and
+            a for-loop on ``"cpu"``; their scratch memory differs.
+        tp_plan: ``(model, plan)``: ``tp_dp``'s plan for ``devices`` ranks
+            (:func:`~lit_parallel.parallel.tensor_parallel.infer.infer_tp_plan`) and the copy of ``module`` it was inferred
+            on (converted for tensor parallelism); its row is then one rank's model
+            (:func:`~lit_parallel.planner.memory.tensor_parallel.tp_peaks`);
+            without it, a share of the one-process figures.
+    """
+    precision = canonical_precision(precision)
+    c = precision_bytes(precision).compute
+    blocks = [module.get_submodule(n) for n in block_names]
+    shape = ModelShape.of(module, blocks)
+    kw = {"batch_size": batch_size, "seq_len": seq_len, "example_inputs": example_inputs}
+    sims, failed = _simulations(module, precision, list(block_names), kw)
+    sim = sims[(precision, False)]
+    report = PeakReport(precision, devices, nodes, sim.batch_size, sim.input_description, shape)
+    report.checkpointing_note = failed
+    for (prec, ac), s in sims.items():
+        report.activations.setdefault(prec, {})["on" if ac else "off"] = s.saved_bytes
+    report.block_activation_share = _block_share(module, blocks, precision, kw)
+    rows = {r[0]: r for r in memory_rows(shape.params, devices=devices, nodes=nodes, precision=precision,
+                                         trainable_params=shape.trainable,
+                                         tp_split_params=shape.block_params or None)}  # fmt: skip
+    opt_elem = 4 if precision_bytes(precision).optimizer >= 8 else 2  # AdamW's scratch in the master dtype
+    opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
+    add_strategy_peaks(report, sims, rows, c=c, opt_bytes=opt_bytes, device_type=device_type)
+    if tp_plan is not None:
+        report.peaks["tp_dp"], report.peaks_checkpointed["tp_dp"] = tp_peaks(
+            *tp_plan, precision=precision, nodes=nodes, block_names=list(block_names), kw=kw,
+            opt_elem=opt_elem, device_type=device_type,
+        )  # fmt: skip
+    add_pipeline_peaks(report, module, list(block_names), precision=precision, device_type=device_type,
+                       seq_len=seq_len, example_inputs=example_inputs)  # fmt: skip
+    return report
+
+
+def _simulations(
+    module: nn.Module, precision: str, block_names: list[str], kw: dict
+) -> tuple[dict[tuple[str, bool], StepSimulation], str]:
+    """One simulated step per (precision, activation checkpointing); and why checkpointing was not
+    simulated, when a block cannot be recomputed on meta (T5)."""
+    sims, failed = {}, ""
+    for prec in dict.fromkeys([precision, "32-true", "bf16-mixed"]):
+        for ac in (False, True) if block_names else (False,):
+            try:
+                sims[(prec, ac)] = simulate_step(
+                    module,
+                    dtype=compute_dtype(prec),
+                    block_names=block_names,
+                    activation_checkpointing=ac,
+                    **kw,
+                )
+            except RuntimeError as err:  # checkpointing a block the model cannot recompute (T5 on meta)
+                if not ac:
+                    raise
+                failed = f"activation checkpointing not simulated: {str(err).splitlines()[0]}"
+    return sims, failed
+
+
+def _block_share(module: nn.Module, blocks: list[nn.Module], precision: str, kw: dict) -> float:
+    """The share of saved activations produced inside transformer blocks (what tensor parallelism divides)."""
+    if not blocks:
+        return 0.0
+    est = estimate_activations(module, precision=precision, blocks=blocks, **kw)
+    return est.block_bytes / est.total_bytes if est.total_bytes else 0.0

@@ -1,0 +1,168 @@
+"""Per-rank memory of every strategy the advisor compares: one row per strategy, ZeRO's accounting.
+
+Each strategy divides what it shards by the number of ranks it shards over
+(:func:`~lit_parallel.parallel.estimate_memory` does the dividing):
+
+============  ================================  ================================================
+row           shards                            over
+============  ================================  ================================================
+DDP           nothing                           -
+ZeRO-1        optimizer state                   all ranks
+ZeRO-2        optimizer state + gradients       all ranks; parameters too, but gathered in full from
+              (+ parameters, gathered in full     forward to backward: what ``fsdp_blocks`` with
+              from forward to backward)           ``reshard_after_forward=False`` holds (not DeepSpeed's
+                                                  ZeRO-2, which keeps full parameters only)
+FSDP/ZeRO-3   + parameters                      all ranks
+HSDP          everything                        the devices of one node (replicated across nodes)
+TP+DP         everything                        tensor parallel inside a node x FSDP across nodes
+============  ================================  ================================================
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lit_parallel.parallel.memory import estimate_memory
+from lit_parallel.planner.precision import PrecisionBytes, precision_bytes
+
+if TYPE_CHECKING:
+    from lit_parallel.planner.activations import ActivationEstimate
+
+
+ZERO2 = "fsdp_blocks(reshard_after_forward=False)"  # what runs the ZeRO-2 row
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """Per-rank bytes of one strategy.
+
+    Attributes:
+        name: the row's label (``"DDP"``, ``"ZeRO-1"``, ...).
+        strategy: the lit_parallel strategy that runs it: its registry name, with the argument that
+            selects it where one is needed (ZeRO-2); ``None`` for ZeRO-1, which no strategy here implements.
+        sharding: what is divided and over how many ranks, in words.
+        activation_bytes: per-rank activations for the given micro-batch; ``None`` without a model.
+        fits: model state (+ activations when known) <= the device memory.
+    """
+
+    name: str
+    strategy: str | None
+    sharding: str
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float | None
+    fits: bool
+
+    @property
+    def state_bytes(self) -> float:
+        """Parameters + gradients + optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        """Model state plus activations (when known)."""
+        return self.state_bytes + (self.activation_bytes or 0.0)
+
+
+def memory_rows(
+    params: int,
+    *,
+    devices: int,
+    nodes: int = 1,
+    precision: str = "bf16-mixed",
+    trainable_params: int | None = None,
+    tp_split_params: int | None = None,
+) -> list[tuple[str, str | None, str, float, float, float]]:
+    """``(name, strategy, sharding, param_bytes, grad_bytes, optimizer_bytes)`` per rank for every row.
+
+    Args:
+        tp_split_params: parameters tensor parallelism splits (those inside transformer blocks); the
+            rest is sharded over the data-parallel ranks only. ``None``: every parameter is split.
+    """
+    b = precision_bytes(precision)
+    world = devices * nodes
+    trainable = params if trainable_params is None else trainable_params
+
+    split = functools.partial(_split, params, trainable, b)
+    tp, dp = devices, nodes
+    inside = params if tp_split_params is None else tp_split_params
+    frac = inside / params if params else 1.0
+    # TP+DP: block parameters are split over tp and sharded over dp (1/world); the rest only over dp.
+    zero3 = split("zero3", world, world)
+    rest = split("zero3", dp, dp)
+    tp_row = tuple(frac * x + (1 - frac) * y for x, y in zip(zero3, rest))
+    # ZeRO-2 as lit_parallel runs it (FSDP2 without resharding after forward): ZeRO-3's shards, and every
+    # parameter gathered (full, in the stored dtype) from forward until its gradient is reduce-scattered
+    zero2 = (zero3[0] + params * b.params, zero3[1], zero3[2])
+    return [
+        ("DDP", "ddp_tuned", "nothing sharded", *split("ddp", None, world)),
+        ("ZeRO-1", None, f"optimizer state / {world}", *split("zero1", world, world)),
+        (
+            "ZeRO-2",
+            ZERO2,
+            f"everything / {world}; parameters also gathered in full from forward to backward",
+            *zero2,
+        ),
+        ("FSDP/ZeRO-3", "fsdp_blocks", f"everything / {world}", *zero3),
+        (
+            "HSDP",
+            "hsdp",
+            f"everything / {devices} (one node), x{nodes} replicas",
+            *split("hsdp", devices, world),
+        ),
+        (
+            "TP+DP",
+            "tp_dp",
+            f"tensor parallel {tp} x FSDP over {dp}"
+            + (f" (blocks / {world}, the rest / {dp})" if tp_split_params is not None and frac < 1 else ""),
+            *tp_row,
+        ),
+    ]
+
+
+def _split(
+    params: int, trainable: int, b: PrecisionBytes, strategy: str, shard: int | None, world_size: int
+) -> tuple[float, float, float]:
+    """``(param_bytes, grad_bytes, optimizer_bytes)`` per rank of ``strategy`` (:func:`memory_rows`)."""
+    # estimate_memory divides what each ZeRO stage shards. Adam's optimizer bytes per parameter
+    # (12 or 8 or 4) are given as its two states of half that size each.
+    kw = {"world_size": world_size, "shard_size": shard, "optimizer": "adam"}
+    p = estimate_memory(params, strategy=strategy, param_dtype=b.params, **kw)
+    t = estimate_memory(
+        trainable, strategy=strategy, param_dtype=b.grads, optimizer_state_dtype=b.optimizer // 2, **kw
+    )
+    return p.param_bytes, t.grad_bytes, t.optimizer_bytes
+
+
+def memory_table(
+    params: int,
+    *,
+    devices: int,
+    nodes: int,
+    precision: str,
+    memory_bytes: float,
+    trainable_params: int | None = None,
+    tp_split_params: int | None = None,
+    activations: ActivationEstimate | None = None,
+) -> list[MemoryRow]:
+    """:func:`memory_rows` with each row's activations (when estimated) and whether it fits ``memory_bytes``."""
+    rows = []
+    for name, strategy, sharding, p, g, o in memory_rows(
+        params,
+        devices=devices,
+        nodes=nodes,
+        precision=precision,
+        trainable_params=trainable_params,
+        tp_split_params=tp_split_params,
+    ):
+        a = None
+        if activations is not None:
+            # tensor parallelism splits what happens inside blocks; data parallelism splits nothing
+            outside = activations.total_bytes - activations.block_bytes
+            a = activations.block_bytes / devices + outside if name == "TP+DP" else activations.total_bytes
+        fits = p + g + o + (a or 0.0) <= memory_bytes
+        rows.append(MemoryRow(name, strategy, sharding, p, g, o, a, fits))
+    return rows
