@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test lint format bench docs clean contract
+.PHONY: install demo test check lint format bench docs clean contract
 
 install: $(VENV)/.installed
 
@@ -22,9 +22,11 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/lit-parallel demo
 
+# ruff, then the layer contract (tests/test_layers.py: layers import only downward, no import cycles)
 lint: install
 	$(BIN)/ruff check lit_parallel tests $(wildcard recipes)
 	$(BIN)/ruff format --check lit_parallel tests $(wildcard recipes)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 format: install
 	$(BIN)/ruff format lit_parallel tests $(wildcard recipes)
@@ -32,6 +34,10 @@ format: install
 
 test: lint
 	$(BIN)/python -m pytest tests
+
+# the edit-test loop: lint and every test that launches no ranks (under 2 minutes on 2 cores)
+check: lint
+	$(BIN)/python -m pytest -m "not multiprocess" tests
 
 # Lightning's own tests against our strategies, once with Lightning's strategies and once with each of ours
 # (docs/compatibility.md); Lightning's test sources are found through LIT_PARALLEL_LIGHTNING_TESTS or

@@ -28,6 +28,7 @@ def results(tmp_path_factory):
     }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("mode", MODES)
 def test_lightnings_core_tests_pass_with_our_strategy_except_documented_differences(results, mode):

@@ -1,4 +1,4 @@
-"""Scenarios for ``lit-parallel advise --verify``'s launch (tests/test_calibration.py)."""
+"""Scenarios for ``lit-parallel advise --verify``'s launch (tests/planner/time/test_calibration.py)."""
 
 from __future__ import annotations
 

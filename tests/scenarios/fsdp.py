@@ -1,4 +1,4 @@
-"""Scenarios for ``fsdp_blocks`` and ``hsdp``, run on real gloo ranks by tests/test_fsdp*.py.
+"""Scenarios for ``fsdp_blocks`` and ``hsdp``, run on real gloo ranks by tests/strategies/test_fsdp.py*.py.
 
 Each scenario returns plain data (numbers, strings, tensors); the tests compute the expected values on
 their own (plain PyTorch reference, formulas) and compare.
@@ -563,7 +563,7 @@ def lightning_launcher(ctx) -> dict:
     }
 
 
-# --- GPU only (tests/test_fsdp_gpu.py) ------------------------------------------------------------------
+# --- GPU only (tests/strategies/test_fsdp_gpu.py) ------------------------------------------------------------------
 
 
 def gpu_fsdp(ctx) -> dict:
@@ -627,7 +627,7 @@ def parallelize_without_trainer(ctx) -> dict:
     }
 
 
-# --- LiveMemory's categories under FSDP2 (tests/test_fsdp.py computes the bytes from the shapes) ---------
+# --- LiveMemory's categories under FSDP2 (tests/strategies/test_fsdp.py computes the bytes from the shapes) ---------
 
 LIVE_IN, LIVE_OUT, LIVE_BATCH = 8, 6, 4
 

@@ -1,4 +1,4 @@
-"""Scenarios for ``pp_dp``, run on real gloo ranks by tests/test_pipeline.py.
+"""Scenarios for ``pp_dp``, run on real gloo ranks by tests/strategies/test_pipeline.py.
 
 Each scenario returns plain data; the tests compute the expected values on their own (a plain PyTorch
 reference loop, formulas) and compare.

@@ -1,5 +1,5 @@
 """Scenarios for ``tp_dp`` (TensorParallelStrategy) and the pure TP functions, run on real gloo ranks by
-tests/test_tp*.py. Each returns plain data; the tests compute expected values on their own (a plain
+tests/strategies/test_tensor_parallel.py*.py. Each returns plain data; the tests compute expected values on their own (a plain
 PyTorch single-process reference, formulas) and compare.
 """
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on Hugging Face model families, run on real gloo ranks by tests/test_tp_families.py.
+"""Tensor parallelism on Hugging Face model families, run on real gloo ranks by tests/parallel/tensor_parallel/test_families.py.
 
 Each family is a tiny config built in code (no downloads). The scenario splits it with
 ``infer_tp_plan`` + ``apply_tp`` (no Trainer), runs one forward and backward on a fixed batch and returns

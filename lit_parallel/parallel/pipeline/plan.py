@@ -22,7 +22,7 @@ from torch import nn
 from lit_parallel.parallel.blocks import BlockPlan
 
 # name -> (torch class name, stages per rank, stage-to-rank style); every schedule here ran on gloo in
-# tests/test_pipeline.py (exact against one process). Refused ones carry the reason.
+# tests/strategies/test_pipeline.py (exact against one process). Refused ones carry the reason.
 SCHEDULES: dict[str, tuple[str, int, str]] = {
     "GPipe": ("ScheduleGPipe", 1, "loop"),
     "1F1B": ("Schedule1F1B", 1, "loop"),

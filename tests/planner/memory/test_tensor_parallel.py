@@ -1,5 +1,5 @@
 """One tensor-parallel rank's model on meta (lit_parallel/planner/memory/tensor_parallel.py), what tp_dp's memory is
-predicted from; checked against a real launch's measured optimizer state in tests/test_advise.py."""
+predicted from; checked against a real launch's measured optimizer state in tests/commands/advise/test_advise.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from tests.harness import launch
 from tests.models import GPT
 from tests.reference import assert_rel_close, reference_training
 from tests.scenarios import fsdp as sc
-from tests.test_fsdp import GPT_PARAMS, GROUPS, ROOT_PARAMS, assert_parity
+from tests.strategies.test_fsdp import GPT_PARAMS, GROUPS, ROOT_PARAMS, assert_parity
 
 pytestmark = pytest.mark.multiprocess
 WORLD = 4

@@ -31,7 +31,7 @@ from lit_parallel.reliability.stall import (
     step_deadline_s,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- the argument ---------------------------------------------------------------------------------------

@@ -504,6 +504,7 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process
     assert all(e <= 0.10 for e in errors.values()), errors
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_percent():
     """One torchrun launch: ddp_tuned, ZeRO-2, fsdp_blocks, hsdp, tp_dp and pp_dp in turn, every rank measured.
@@ -519,7 +520,7 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     pred = predict("tests.models:GPT", {}, precision="32-true", devices=2, nodes=1, batch_size=1,
                    seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
     # pp_dp cannot cut one sequence into micro-batches: refused with the rule and the fix, in the
-    # prediction and in the launch (its memory is measured within 10 % in tests/test_lab.py)
+    # prediction and in the launch (its memory is measured within 10 % in tests/commands/test_lab.py)
     assert "pp_dp" not in pred.report.peaks and any("pp_dp" in n for n in pred.report.notes)
     assert "does not split into" in res["pp_dp"]["error"] and "divisible by 2" in res["pp_dp"]["error"]
     # tp_dp: this GPT's attention reshapes by the full width, so no tensor-parallel plan runs it; refused
@@ -565,7 +566,7 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
         assert abs(predicted - measured.total) / measured.total <= 0.10, (strategy, predicted, measured)
         # the optimizer state is the same at every moment of the step: exact on both sides (the other
         # categories depend on which of two nearly equal moments a run's peak falls on; what each category
-        # holds under FSDP2 is checked by hand, moment by moment, in tests/test_fsdp.py)
+        # holds under FSDP2 is checked by hand, moment by moment, in tests/strategies/test_fsdp.py)
         want = report.peaks[strategy].optimizer
         assert want == measured.by_category["optimizer"], (strategy, want, measured)
     # sharding shows in what each rank holds: optimizer state halves under ZeRO-2 / FSDP
@@ -589,6 +590,7 @@ def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead
     assert pred.tp_all_reduces == 2 * (2 * 4 + 2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_real_launch_of_tp_dp_on_llama_measures_its_peak_within_10_percent_and_its_optimizer_exactly():
     """tp_dp over 2 ranks (the automatic plan) on Hugging Face's Llama: the per-rank peak is predicted from

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.callbacks.test_metrics import single_process_values
 from tests.harness import launch
-from tests.test_callbacks_metrics import single_process_values
 
 pytestmark = pytest.mark.multiprocess
 N = 9  # 9 samples on 2 data-parallel ranks: one padding repeat

@@ -122,6 +122,7 @@ def _check_unused(out):
     assert all(float(r["step_s"]) > 0 for r in rows.values() if r["step_s"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1200)
 def test_every_experiment_runs_at_its_smallest_size_and_plots_what_it_is_about(tmp_path):
     from lit_parallel.commands.cli import main

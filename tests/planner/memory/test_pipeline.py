@@ -1,7 +1,7 @@
 """The planner's pp_dp terms: schedule arithmetic, the layout advise shows, a stage's peak by hand.
 
 The measured side (a real two-stage launch under LiveMemory, predicted within 10 %) runs inside the lab's
-memory launch: tests/test_lab.py::_check_memory.
+memory launch: tests/commands/test_lab.py::_check_memory.
 """
 
 from __future__ import annotations

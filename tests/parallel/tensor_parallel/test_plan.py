@@ -274,7 +274,7 @@ def test_bad_plan_fails_in_fit_before_any_process_group():
     assert not dist.is_initialized()
 
 
-# --- Hugging Face families (tiny configs built in code; the split's exactness: tests/test_tp_families.py) --
+# --- Hugging Face families (tiny configs built in code; the split's exactness: tests/parallel/tensor_parallel/test_families.py) --
 
 
 def _hf_expected(name: str) -> dict[str, str]:

@@ -132,7 +132,7 @@ def no_parameters_validates(ctx) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     scenarios = [
-        f"tests.test_auto_strategy:{n}"
+        f"tests.strategies.test_auto:{n}"
         for n in (
             "picks_ddp_tuned",
             "picks_fsdp_blocks",

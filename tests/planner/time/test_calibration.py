@@ -535,6 +535,7 @@ def advise_launch(tmp_path_factory):
     return launch(scenarios, 2, tmp_path_factory.mktemp("advise"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(advise_launch):
     # sample 0: ranks 1 and 2 ms, sample 1: ranks 3 and 2 ms; the slowest per sample: 2 and 3 ms, whose
@@ -543,6 +544,7 @@ def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(advise_launch):
     assert advise_launch.scenario("slowest_rank_timing") == [expected] * 2
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_tp_dp_cost_per_all_reduce_is_timed_as_the_slowest_rank_saw_it(advise_launch):
     got = advise_launch.scenario("all_reduce_timer")
@@ -555,6 +557,7 @@ def test_tp_dp_cost_per_all_reduce_is_timed_as_the_slowest_rank_saw_it(advise_la
     assert got[0]["real"] == got[1]["real"] > 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_shards(advise_launch):
     got = advise_launch.scenario("fsdp_cost_timer")
@@ -584,6 +587,7 @@ def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_
     assert got[0]["fsdp_blocks"]["collectives"] == fsdp
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_tp_dp_is_priced_by_the_all_reduces_a_real_split_step_runs(advise_launch):
     from lit_parallel.commands.advise.report import predict
