@@ -1,7 +1,7 @@
-"""hsdp as 2x2 on 4 ranks and as two torchrun "nodes"; checkpoints saved on 4 ranks, loaded on 2 and 1.
+"""hsdp as 2x2 on 4 ranks of two torchrun "nodes"; checkpoints saved on 4 ranks, loaded on 2 and 1.
 
-Launches: 4 ranks (hsdp parity, checkpoint save and resume), 2 ranks and 1 rank (checkpoint load), and
-2 nodes x 2 ranks on loopback (hsdp with shard_size="auto").
+Launches: 2 nodes x 2 ranks on loopback (hsdp with shard_size="auto", hsdp parity with shard_size=2,
+checkpoint save and resume), then 2 ranks and 1 rank (checkpoint load).
 """
 
 from __future__ import annotations
@@ -31,10 +31,16 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run4(tmp_path_factory, ckpt_dir):
+    """4 ranks as two torchrun agents on loopback ("nodes") of 2 ranks each."""
     return launch(
-        ["tests.scenarios.fsdp:hsdp_parity", "tests.scenarios.fsdp:checkpoint_save"],
-        WORLD,
+        [
+            "tests.scenarios.fsdp:hsdp_two_nodes",
+            "tests.scenarios.fsdp:hsdp_parity",
+            "tests.scenarios.fsdp:checkpoint_save",
+        ],
+        WORLD // 2,
         tmp_path_factory.mktemp("four"),
+        nnodes=2,
         args={"ckpt_dir": str(ckpt_dir)},
         timeout=420,
     )
@@ -169,10 +175,9 @@ def test_consolidated_checkpoint_loads_into_the_unwrapped_model(saved, ckpt_dir,
         torch.testing.assert_close(v, saved["model"][f"model.{k}"], rtol=0, atol=0)
 
 
-@pytest.mark.timeout(300)
-def test_hsdp_on_two_torchrun_nodes_shards_within_and_replicates_across(tmp_path):
-    res = launch("tests.scenarios.fsdp:hsdp_two_nodes", 2, tmp_path, nnodes=2, timeout=240)
-    out = res.scenario("hsdp_two_nodes")
+@pytest.mark.timeout(540)
+def test_hsdp_on_two_torchrun_nodes_shards_within_and_replicates_across(run4):
+    out = run4.scenario("hsdp_two_nodes")
     assert sorted(r["node_rank"] for r in out) == [0, 0, 1, 1]
     for r in out:
         assert r["num_nodes"] == 2

@@ -3,7 +3,8 @@
 Launch A (2 ranks): every schedule at pp2 (parity, reported loss, validation through the stages), the
 missing-hook error, checkpoints across pipeline sizes and strategies. Launch B (4 ranks): pp2 x dp2 for the
 schedules that run with FSDP2, and the recipe (recipes/configs/gpt_pp.yaml) as its header's torchrun command.
-Launch C (8 ranks on two loopback torchrun nodes): pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
+Launch C (8 ranks on two loopback torchrun nodes, shared with tp_dp's 3-D layout: tests/strategies/conftest.py):
+pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
 """
 
 from __future__ import annotations
@@ -25,13 +26,6 @@ def run2(tmp_path_factory):
     return launch(
         [f"tests.scenarios.pipeline:{n}" for n in names], 2, tmp_path_factory.mktemp("pp2"), timeout=1500
     )
-
-
-@pytest.fixture(scope="module")
-def run8(tmp_path_factory):
-    """pp2 x dp2 x tp2: two torchrun agents on loopback ("nodes") of 4 ranks each."""
-    target = "tests.scenarios.pipeline:parity_pp2_dp2_tp2"
-    return launch([target], 4, tmp_path_factory.mktemp("pp8"), timeout=1500, nnodes=2)
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +163,8 @@ def test_consolidate_turns_the_pp2_checkpoint_into_the_whole_model(run2):
 
 
 @pytest.mark.timeout(1600)
-def test_pp2_dp2_tp2_on_two_nodes_matches_single_process(run8):
-    per_rank = [out["1F1B"] for out in run8.scenario("parity_pp2_dp2_tp2")]
+def test_pp2_dp2_tp2_on_two_nodes_matches_single_process(eight_ranks):
+    per_rank = [out["1F1B"] for out in eight_ranks.scenario("parity_pp2_dp2_tp2")]
     assert len(per_rank) == 8
     _assert_parity(per_rank, _reference(dp=2, name="llama"), "pp2 x dp2 x tp2")
 

@@ -1,7 +1,8 @@
 """tp_dp and apply_tp on real gloo ranks, against a single-process plain PyTorch reference.
 
-Launches (3): 2 ranks (tensor_parallel 2), 4 ranks (data_parallel 2 x tensor_parallel 2), and two
-torchrun "nodes" of 4 ranks on loopback (replicate 2 x shard 2 x tensor_parallel 2).
+Launches (2, and a share of one): 2 ranks (tensor_parallel 2), 4 ranks (data_parallel 2 x tensor_parallel 2),
+and two torchrun "nodes" of 4 ranks on loopback (replicate 2 x shard 2 x tensor_parallel 2), shared with
+pp_dp's 3-D layout (tests/strategies/conftest.py).
 """
 
 from __future__ import annotations
@@ -55,11 +56,6 @@ def four(tmp_path_factory, ckpt_dir):
         args={"ckpt_dir": str(ckpt_dir)},
         timeout=420,
     )
-
-
-@pytest.fixture(scope="module")
-def eight(tmp_path_factory):
-    return launch(["tests.scenarios.tp:parity_3d"], 4, tmp_path_factory.mktemp("tp8"), nnodes=2, timeout=420)
 
 
 _REFERENCES: dict = {}
@@ -291,8 +287,8 @@ def test_checkpoint_loads_on_two_ranks_and_refuses_another_tensor_parallel_size(
 
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("variant", ["llama", "gpt_sp"])
-def test_3d_replicate_shard_tensor_matches_single_process(eight, variant):
-    out = [r[variant] for r in eight.scenario("parity_3d")]
+def test_3d_replicate_shard_tensor_matches_single_process(eight_ranks, variant):
+    out = [r[variant] for r in eight_ranks.scenario("parity_3d")]
     assert out[0]["mesh"] == ["data_parallel_replicate", "data_parallel_shard", "tensor_parallel"]
     assert [r["dp_rank"] for r in out] == [0, 0, 1, 1, 2, 2, 3, 3]
     _assert_parity(out, variant.split("_")[0], 4, f"replicate 2 x shard 2 x tp 2, {variant}")
