@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_parallel.commands.launch import add_worker_arguments
 from lit_parallel.measure.live_memory import CATEGORIES, MemoryPeak
 from lit_parallel.planner.pipeline_layout import pipeline_microbatches
 from lit_parallel.planner.time.step import StepTime, median_timing, typical_seconds
@@ -239,7 +240,7 @@ def worker(args: argparse.Namespace) -> int:
     """In every rank: each strategy in turn on the same model and input; rank 0 writes the results."""
     import torch.distributed as dist
 
-    from lit_parallel.commands.launch import write_result
+    from lit_parallel.commands.launch import init_ranks, write_result
     from lit_parallel.measure.collectives import bus_bandwidth
     from lit_parallel.planner.model_summary import load_model_class
 
@@ -247,8 +248,7 @@ def worker(args: argparse.Namespace) -> int:
     kwargs = __import__("json").loads(args.model_kwargs or "{}")
     results: dict[str, Any] = {}
     names = args.strategies.split(",")
-    if not dist.is_initialized():  # the Trainers below use it as it is; the bandwidth measurement needs it
-        dist.init_process_group("gloo")
+    init_ranks()  # the Trainers below use the process group as it is; the bandwidth measurement needs it
     plain = [n for n in names if n != "pp_dp"]
     timer = worker_timer(args, kwargs)
     # what each strategy adds (tp_dp: per all-reduce; FSDP: fixed and per group), timed between its steps as
@@ -613,8 +613,7 @@ def median_timing_dict(timings: list[dict[str, Any] | None]) -> dict[str, Any] |
 
 def _worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.advise.measure")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--model")
     p.add_argument("--model-kwargs")
     p.add_argument("--devices", type=int)

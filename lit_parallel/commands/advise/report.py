@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from rich.markup import escape
 from torch import nn
 
@@ -20,6 +19,7 @@ from lit_parallel.measure.live_memory import CATEGORIES
 from lit_parallel.planner.memory.peak import LABELS, PeakReport
 from lit_parallel.planner.memory.predict import predict_peaks
 from lit_parallel.planner.model_summary import meta_model, shaped_input
+from lit_parallel.planner.precision import compute_dtype
 from lit_parallel.planner.time.calibration import StrategyCost
 from lit_parallel.planner.time.step import (
     StepTime,
@@ -176,12 +176,6 @@ def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str
                           f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
         return False
     return largest
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    from lit_parallel.planner.precision import precision_bytes
-
-    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
 
 
 def predict(

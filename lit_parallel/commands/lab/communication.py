@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lit_parallel.commands.lab.common import FEATURES, figure, launch, mlp, run_worker, save, timed, write_csv
+from lit_parallel.commands.launch import add_worker_arguments
 
 HOOKS = ("none", "fp16")
 
@@ -71,8 +72,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.communication")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--batches", default="8,256")
     p.add_argument("--buckets", default="1,25")
     p.add_argument("--repeats", type=int, default=3)

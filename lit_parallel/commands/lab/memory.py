@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lit_parallel.commands.lab.common import figure, launch, run_worker, save, write_csv
+from lit_parallel.commands.launch import add_worker_arguments
 from lit_parallel.measure.live_memory import CATEGORIES
 
 STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
@@ -92,8 +93,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.memory")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--widths", default="32,128")
     return p
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lit_parallel.commands.lab.common import FEATURES, figure, launch, run_worker, save, write_csv
+from lit_parallel.commands.launch import add_worker_arguments
 
 MODELS = ("all parameters used", "one branch unused")
 BUCKET_MB = 0.25  # what ddp_tuned measures as best for these small models on gloo (it logs its choice)
@@ -126,8 +127,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.unused_parameters")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--steps", type=int, default=8)
     return p
 

@@ -61,10 +61,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
-from lit_parallel.planner.precision import precision_bytes
 from lit_parallel.planner.simulation import StepSimulation
 
 STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
@@ -186,10 +184,6 @@ class PeakReport:
             },
             **({"pipeline": self.pipeline.as_dict()} if self.pipeline is not None else {}),
         }
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
 
 
 def _strategy_peak(

@@ -51,7 +51,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from lit_parallel.planner.memory.pipeline_simulation import MicroBatchSimulation, simulate_micro_batch
@@ -264,7 +263,7 @@ def predict_pipeline(
         )
     if len(block_names) < layout.stages:
         raise ValueError(f"{len(block_names)} blocks cannot be cut into {layout.stages} stages")
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[b.compute]
+    dtype = b.compute_dtype
     plan = pipeline_plan(module, block_names, layout)  # raises for weights tied across stages
     args = micro_batch_args(module, layout.micro_batch, seq_len, example_inputs)
     sim = simulate_micro_batch(module, block_names, args, dtype=dtype)

@@ -12,11 +12,11 @@ from typing import Any
 from torch import nn
 
 from lit_parallel.planner.activations import estimate_activations
-from lit_parallel.planner.memory.peak import ModelShape, PeakReport, add_strategy_peaks, compute_dtype
+from lit_parallel.planner.memory.peak import ModelShape, PeakReport, add_strategy_peaks
 from lit_parallel.planner.memory.pipeline import add_pipeline_peaks
 from lit_parallel.planner.memory.table import memory_rows
 from lit_parallel.planner.memory.tensor_parallel import tp_peaks
-from lit_parallel.planner.precision import canonical_precision, precision_bytes
+from lit_parallel.planner.precision import canonical_precision, compute_dtype, precision_bytes
 from lit_parallel.planner.simulation import StepSimulation, simulate_step
 
 

@@ -33,12 +33,11 @@ from lit_parallel.planner.memory.peak import (
     TP_ALL_REDUCE_COPIES,
     ModelShape,
     Peak,
-    compute_dtype,
     fsdp_moments,
     padded,
 )
 from lit_parallel.planner.memory.table import memory_rows
-from lit_parallel.planner.precision import precision_bytes
+from lit_parallel.planner.precision import compute_dtype, precision_bytes
 from lit_parallel.planner.simulation import simulate_step
 
 _COLUMN = (COLWISE, COLWISE_FUSED, LOSS_PARALLEL_HEAD)
