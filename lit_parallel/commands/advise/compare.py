@@ -103,8 +103,8 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
     _, module, _, largest = meta_model(path, kwargs)
     unit = timing_unit(one, module, largest)
     timer = None
-    if unit is not False:
-        timer = PartsTimer(module, block_name=unit, batch_size=args.batch_size, seq_len=args.seq_len,
+    if unit is not None:
+        timer = PartsTimer(module, block_name=unit.block, batch_size=args.batch_size, seq_len=args.seq_len,
                            example_inputs=given)  # fmt: skip
     peak, step_s, pairs = _one_process_rounds(one, model, real_inputs(ex.args, vocabulary(model)), timer)
     cluster: dict[str, Any] = {}
@@ -114,7 +114,7 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
     if args.verify_ranks > 1:
         res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=args.verify_ranks,
                      batch_size=args.batch_size, seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
-                     input_shape=args.input_shape, timing_unit=None if timer is None else (unit or ""))  # fmt: skip
+                     input_shape=args.input_shape, timing_unit=None if unit is None else (unit.block or ""))  # fmt: skip
         launched, cluster = launch_rows(path, kwargs, args, res, console)
         rows += launched
     return rows, cluster

@@ -32,12 +32,15 @@ predict its steps better.)
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lit_parallel.planner.time.step import typical_seconds
+
+if TYPE_CHECKING:
+    from lit_parallel.parallel.mesh import ParallelDims
 
 
 def _shape(name: str) -> nn.Module:
@@ -113,7 +116,7 @@ class FSDPCostTimer:
 
     shapes = ("reference", "thin", "wide")
 
-    def __init__(self, dims: Any, reshard_after_forward: bool) -> None:
+    def __init__(self, dims: ParallelDims, reshard_after_forward: bool) -> None:
         from lit_parallel.parallel.fsdp import apply_fsdp
         from lit_parallel.planner.time.calibration import calibration_input
 

@@ -28,7 +28,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ from lit_parallel.commands.launch import add_worker_arguments
 from lit_parallel.measure.live_memory import CATEGORIES, MemoryPeak
 from lit_parallel.planner.pipeline_layout import pipeline_microbatches
 from lit_parallel.planner.time.step import StepTime, median_timing, typical_seconds
+
+if TYPE_CHECKING:
+    from lit_parallel.commands.advise.cost_timers import AllReduceTimer, FSDPCostTimer
+    from lit_parallel.planner.time.step import PartsTimer
 
 LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
 CALIBRATION_REPEATS = 24  # calibration steps: the costs are differences of them, noisier than either
@@ -209,7 +213,7 @@ def strategy_object(name: str, ranks: int = 2):
     return lp.TunedDDPStrategy()
 
 
-def between_step_timer(name: str, ranks: int) -> Any:
+def between_step_timer(name: str, ranks: int) -> AllReduceTimer | FSDPCostTimer | None:
     """The :mod:`~lit_parallel.commands.advise.cost_timers` timer of the strategy ``name`` as a launch of ``ranks``
     verifies it (:func:`strategy_object`); ``None`` for ``ddp_tuned`` and ``pp_dp``. Every rank builds it at
     once: it makes process groups."""
@@ -290,7 +294,7 @@ def _input_shape(args: argparse.Namespace) -> tuple[int, ...] | None:
     return tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
 
 
-def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
+def worker_timer(args: argparse.Namespace, kwargs: dict) -> PartsTimer | None:
     """The :class:`~lit_parallel.planner.time.step.PartsTimer` of the unit `advise` timed
     (``--timing-unit``: a block's name, empty for the whole model); ``None`` without one."""
     if args.timing_unit is None:
@@ -308,7 +312,8 @@ def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
 
 
 def _measure_strategy(
-    factory: Any, kwargs: dict, args: argparse.Namespace, name: str, timer: Any, cost: Any = None
+    factory: Any, kwargs: dict, args: argparse.Namespace, name: str, timer: PartsTimer | None,
+    cost: AllReduceTimer | FSDPCostTimer | None = None,
 ) -> dict[str, Any]:
     """One strategy's measured step in this launch: every rank's peak, the step seconds and the parts
     ``timer`` timed between the steps (``cost``, a timer of :mod:`~lit_parallel.commands.advise.cost_timers`: what

@@ -16,11 +16,13 @@ from torch import nn
 
 from lit_parallel.formatting import format_bytes
 from lit_parallel.measure.live_memory import CATEGORIES
+from lit_parallel.parallel.tensor_parallel.plan import TPPlan
 from lit_parallel.planner.memory.peak import LABELS, PeakReport
 from lit_parallel.planner.memory.predict import predict_peaks
 from lit_parallel.planner.model_summary import meta_model, shaped_input
 from lit_parallel.planner.precision import compute_dtype
 from lit_parallel.planner.time.calibration import StrategyCost
+from lit_parallel.planner.time.pipeline import StageWork
 from lit_parallel.planner.time.step import (
     StepTime,
     collectives_per_step,
@@ -49,7 +51,7 @@ class Prediction:
     costs: dict[str, StrategyCost] | None = None
     notes: list[str] = field(default_factory=list)
     buffers: bool = False  # the model has buffers (DDP broadcasts them every step)
-    stage_work: list[Any] | None = None  # pp_dp: each stage's share of the ops and FLOPs (pipeline_time.py)
+    stage_work: list[StageWork] | None = None  # pp_dp: each stage's share of the ops and FLOPs
     # tp_dp: the all-reduces of its automatic plan's step (a row-wise layer's output in forward, a column-wise
     # layer's input gradient in backward where its input needs one), and the share of the compute the plan
     # splits (of the parameters outside embeddings)
@@ -131,7 +133,7 @@ class Prediction:
         return out
 
 
-def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, Any] | None, str]:
+def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, TPPlan] | None, str]:
     """``tp_dp``'s automatic plan for ``module`` (on meta) over ``tp`` ranks, with the copy of ``module`` it
     was inferred on (converted as tensor parallelism converts it: torch's ``nn.MultiheadAttention`` split
     into its projections; ``module`` is left as it is); or ``(None, why not)``."""
@@ -147,7 +149,7 @@ def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, Any] | None, s
         return None, f"tp_dp: no tensor-parallel plan for {tp} ranks: {str(err).splitlines()[0]}"
 
 
-def _tp_plan_figures(module: nn.Module, plan: Any, given: Any, seq_len: int | None) -> tuple[int, float]:
+def _tp_plan_figures(module: nn.Module, plan: TPPlan, given: Any, seq_len: int | None) -> tuple[int, float]:
     """Of ``tp_dp``'s plan for ``module``: the all-reduces of its step (a row-wise layer's output in forward,
     a column-wise layer's input gradient in backward where its input needs one; counted in a forward on meta
     of one sample, ``given`` or made up as the memory simulation makes it) and the share of the parameters
@@ -162,10 +164,18 @@ def _tp_plan_figures(module: nn.Module, plan: Any, given: Any, seq_len: int | No
     return all_reduces_per_step(module, plan, args), share
 
 
-def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str | None | bool:
-    """What `advise` times of ``module``: ``None`` for the whole model (it takes at most
-    :data:`STEP_TIME_BLOCK_LIMIT` of this machine's RAM; Python work between blocks included), else the
-    largest block's name; ``False`` when even that is too large to time here (a note in ``pred`` says so)."""
+@dataclass(frozen=True)
+class TimingUnit:
+    """The part of a model `advise` times to predict its step: a block (``block``: its qualified name) or,
+    with ``block`` ``None``, the whole model (Python work between blocks included)."""
+
+    block: str | None
+
+
+def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> TimingUnit | None:
+    """What `advise` times of ``module``: the whole model when it takes at most
+    :data:`STEP_TIME_BLOCK_LIMIT` of this machine's RAM, else its largest block (``largest``); ``None`` when
+    even that is too large to time here (a note in ``pred`` says so)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if pred.report.peaks["one_process"].total <= STEP_TIME_BLOCK_LIMIT * ram:
         largest = None
@@ -174,8 +184,8 @@ def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str
     if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
         pred.notes.append(f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
                           f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
-        return False
-    return largest
+        return None
+    return TimingUnit(largest)
 
 
 def predict(
@@ -218,10 +228,10 @@ def predict(
     if not step_time:
         return pred
     unit = timing_unit(pred, module, largest)
-    if unit is False:
+    if unit is None:
         return pred
     low = report.pipeline.layout.micro_batch if report.pipeline is not None else None  # pp_dp's slots run it
-    pred.timing = predict_step_time(module, block_name=unit, dtype=compute_dtype(precision), batch_size=batch_size,
+    pred.timing = predict_step_time(module, block_name=unit.block, dtype=compute_dtype(precision), batch_size=batch_size,
                                     seq_len=seq_len, example_inputs=given, low_batch=low)  # fmt: skip
     from lit_parallel.commands.advise.measure import lightning_overhead
 
@@ -233,7 +243,7 @@ def predict(
     return pred
 
 
-def pipeline_step_s(pred: Any) -> dict[str, float | None]:
+def pipeline_step_s(pred: Prediction) -> dict[str, float | None]:
     """``pp_dp``'s seconds of one step for an ``advise`` prediction (the shape of ``Prediction.step_s``):
     each stage's compute per micro-batch from its share of the ops and FLOPs
     (:mod:`~lit_parallel.planner.time.pipeline`), the schedule over them (the slowest stage busy, the others
@@ -242,7 +252,7 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     bookkeeping per slot (per FSDP group, parameter tensor and parameter byte of the largest stage),
     Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no pipeline)."""
     from lit_parallel.planner.time.calibration import pipeline_slot_s
-    from lit_parallel.planner.time.pipeline import StageWork, transfer_seconds, uneven_pipeline_step
+    from lit_parallel.planner.time.pipeline import transfer_seconds, uneven_pipeline_step
     from lit_parallel.planner.time.step import comm_seconds
 
     pipe, t = pred.report.pipeline, pred.timing

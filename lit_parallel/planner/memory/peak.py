@@ -63,6 +63,8 @@ from typing import Any
 
 from torch import nn
 
+from lit_parallel.planner.memory.pipeline import PipelinePrediction
+from lit_parallel.planner.memory.table import StateRow
 from lit_parallel.planner.simulation import StepSimulation
 
 STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
@@ -164,7 +166,7 @@ class PeakReport:
     peaks_checkpointed: dict[str, Peak] = field(default_factory=dict)
     activations: dict[str, dict[str, float]] = field(default_factory=dict)  # precision -> {"off", "on"}
     block_activation_share: float = 0.0
-    pipeline: Any = None  # pp_dp's layout, step-time inputs: memory.pipeline.PipelinePrediction
+    pipeline: PipelinePrediction | None = None  # pp_dp's layout and largest stage
     notes: list[str] = field(default_factory=list)
     checkpointing_note: str = ""  # why the "with AC" figures are the ones without, when they are
 
@@ -187,13 +189,15 @@ class PeakReport:
 
 
 def _strategy_peak(
-    strategy: str, sim: StepSimulation, rows: dict, shape: ModelShape, *, c: int, opt_bytes: int, extra: dict
+    strategy: str, sim: StepSimulation, rows: dict[str, StateRow], shape: ModelShape, *, c: int, opt_bytes: int,
+    extra: dict,
 ) -> Peak:
     """The three moments of one step for ``strategy``; the largest wins."""
     sharded = strategy in ("zero2", "fsdp_blocks", "hsdp", "tp_dp")
     # ZeRO-2 here is FSDP2 without resharding: the state is sharded like ZeRO-3 (the parameters' shards
     # are what is stored), and the gathered copies are the extra below
-    _, _, _, p, g, o = rows["FSDP/ZeRO-3" if strategy == "zero2" else _ROW[strategy]]
+    row = rows["FSDP/ZeRO-3" if strategy == "zero2" else _ROW[strategy]]
+    p, g, o = row.param_bytes, row.grad_bytes, row.optimizer_bytes
     o += 4 * shape.param_tensors  # AdamW's step counters: one fp32 scalar per parameter tensor
     fw, bw = sim.forward_peak.by_category, sim.backward_peak.by_category
     share, tp, shard = extra["share"], extra["tp"], extra["shard"]
@@ -336,7 +340,8 @@ def _fsdp_backward(f: _Fsdp, sim: StepSimulation, shape: ModelShape, c: int) -> 
 
 
 def add_strategy_peaks(
-    report: PeakReport, sims: dict[tuple[str, bool], StepSimulation], rows: dict, *, c: int, opt_bytes: int,
+    report: PeakReport, sims: dict[tuple[str, bool], StepSimulation], rows: dict[str, StateRow], *, c: int,
+    opt_bytes: int,
     device_type: str,
 ) -> None:  # fmt: skip
     """Every strategy's peak from the one-process simulations, without and with checkpointing (the row

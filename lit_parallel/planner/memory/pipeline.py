@@ -53,6 +53,7 @@ from typing import Any
 
 from torch import nn
 
+from lit_parallel.parallel.pipeline.plan import PipelinePlan
 from lit_parallel.planner.memory.pipeline_simulation import MicroBatchSimulation, simulate_micro_batch
 from lit_parallel.planner.pipeline_layout import (
     PREDICTED_SCHEDULES,
@@ -183,7 +184,7 @@ def boundary_terms(
 
 def stage_peaks(
     module: nn.Module,
-    plan: Any,
+    plan: PipelinePlan,
     block_names: list[str],
     layout: PipelineLayout,
     sim: MicroBatchSimulation,
@@ -278,22 +279,3 @@ def predict_pipeline(
         boundary_bytes=max(sim.outputs, default=0.0),
         stage_share=max(s.params for s in plan.stages) / total,
     )
-
-
-def add_pipeline_peaks(report: Any, module: nn.Module, block_names: list[str], *, precision: str,
-                       device_type: str, seq_len: int | None, example_inputs: Any) -> None:  # fmt: skip
-    """Put ``pp_dp``'s peaks (the largest stage) into a :class:`~lit_parallel.planner.memory.peak.PeakReport`, or a
-    note saying why it is not predicted."""
-    from lit_parallel.planner.memory.peak import Peak
-    from lit_parallel.planner.precision import precision_bytes
-
-    try:
-        pred = predict_pipeline(module, block_names, precision_bytes(precision), devices=report.devices,
-                                nodes=report.nodes, batch_size=report.batch_size, seq_len=seq_len,
-                                example_inputs=example_inputs, device_type=device_type)  # fmt: skip
-    except ValueError as err:
-        report.notes.append(f"pp_dp not predicted: {err}")
-        return
-    report.pipeline = pred
-    for target, x in ((report.peaks, pred.off), (report.peaks_checkpointed, pred.on)):
-        target["pp_dp"] = Peak("pp_dp", x.params, x.grads, x.optimizer, x.activations, x.temporaries, x.phase)

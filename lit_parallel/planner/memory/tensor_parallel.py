@@ -89,7 +89,7 @@ def tp_local_model(module: nn.Module, plan: TPPlan) -> nn.Module:
 
 
 def tp_peaks(
-    module: nn.Module, plan: Any, *, precision: str, nodes: int, block_names: list[str], kw: dict, opt_elem: int,
+    module: nn.Module, plan: TPPlan, *, precision: str, nodes: int, block_names: list[str], kw: dict, opt_elem: int,
     device_type: str,
 ) -> tuple[Peak, Peak]:  # fmt: skip
     """``tp_dp`` without and with activation checkpointing: FSDP2 over the ``nodes`` data-parallel ranks
@@ -101,9 +101,10 @@ def tp_peaks(
     buffers). A row-wise layer outside blocks counts the root gathered only."""
     local = tp_local_model(module, plan)
     shape = ModelShape.of(local, [local.get_submodule(n) for n in block_names])
-    rows = {r[0]: r for r in memory_rows(shape.params, devices=1, nodes=nodes, precision=precision,
-                                         trainable_params=shape.trainable)}  # fmt: skip
-    _, _, _, p, g, o = rows["FSDP/ZeRO-3"]
+    rows = {r.name: r for r in memory_rows(shape.params, devices=1, nodes=nodes, precision=precision,
+                                           trainable_params=shape.trainable)}  # fmt: skip
+    row = rows["FSDP/ZeRO-3"]
+    p, g, o = row.param_bytes, row.grad_bytes, row.optimizer_bytes
     o += 4 * shape.param_tensors  # AdamW's step counters
     opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
     c = precision_bytes(precision).compute
@@ -129,7 +130,7 @@ def tp_peaks(
 
 
 @contextlib.contextmanager
-def row_outputs(local: nn.Module, plan: Any, block_names: list[str]):
+def row_outputs(local: nn.Module, plan: TPPlan, block_names: list[str]):
     """While active, record each row-wise layer of ``plan`` in ``local`` as it runs in the step simulation
     (forward hooks are copied with the module into the simulation's meta copy) in the dict it yields:
     ``path -> (the index of the block it is in or None, the bytes the step holds then beyond the model

@@ -23,11 +23,10 @@ bandwidth each): the idle fraction, the bubble, is ``(P - 1) / (M + P - 1)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from torch import nn
 
-from lit_parallel.planner.pipeline_layout import PREDICTED_SCHEDULES, pipeline_plan
+from lit_parallel.planner.pipeline_layout import PREDICTED_SCHEDULES, PipelineLayout, pipeline_plan
 
 
 @dataclass(frozen=True)
@@ -104,10 +103,10 @@ def transfer_seconds(boundary_bytes: float, latency_s: float, bandwidth_gbps: fl
 
 
 def pipeline_stage_work(
-    module: nn.Module, block_names: list[str], layout: Any, args: tuple
+    module: nn.Module, block_names: list[str], layout: PipelineLayout, args: tuple
 ) -> list[StageWork]:
     """:func:`stage_work` for the stages ``pp_dp`` makes of ``module`` with ``layout`` (a
-    :class:`~lit_parallel.planner.memory.pipeline.PipelineLayout`), on one micro-batch's meta ``args``."""
+    :class:`~lit_parallel.planner.pipeline_layout.PipelineLayout`), on one micro-batch's meta ``args``."""
 
     plan = pipeline_plan(module, block_names, layout)
     work = stage_work(module, [list(s.blocks) for s in plan.stages], args)

@@ -63,8 +63,9 @@ def test_zero2_row_is_what_fsdp_blocks_without_resharding_holds_in_both_tables()
     from lit_parallel.planner.memory.peak import LABELS
     from lit_parallel.planner.memory.table import ZERO2, memory_rows
 
-    rows = {r[0]: r for r in memory_rows(1000, devices=4, precision="32-true")}
-    name, strategy, _, p, g, o = rows["ZeRO-2"]
+    rows = {r.name: r for r in memory_rows(1000, devices=4, precision="32-true")}
+    row = rows["ZeRO-2"]
+    strategy, p, g, o = row.strategy, row.param_bytes, row.grad_bytes, row.optimizer_bytes
     # 1000 fp32 parameters over 4 ranks: a 250-element shard + the 1000-element gathered copy, 4 bytes each;
     # gradients 250 x 4; AdamW's two fp32 states 2 x 250 x 4
     assert (p, g, o) == (250 * 4 + 1000 * 4, 250 * 4, 2 * 250 * 4)
