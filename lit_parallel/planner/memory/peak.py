@@ -47,9 +47,8 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
 * ``tp_dp`` with its plan (``advise`` infers it): one tensor-parallel rank's model
   (:mod:`lit_parallel.planner.memory.tensor_parallel`: split layers with their per-rank shapes, head counts per rank)
   simulated on meta, under FSDP2's moments over the data-parallel ranks (over one: no flat buffers, the
-  root's gathered copy); and each row-wise layer's forward all-reduce, with its block gathered (measured
-  so on DTensor parameters) and four copies of its output (the partial sum, the result, gloo's two
-  buffers).
+  root's gathered copy); and each row-wise layer's forward all-reduce, with its block gathered (DTensor
+  parameters) and four copies of its output (the partial sum, the result, gloo's two buffers).
   Without a plan: activations and temporaries inside blocks divided by the tensor-parallel size.
 * ``pp_dp``: the largest pipeline stage, from one micro-batch simulated with its activations attributed
   to the blocks (:mod:`lit_parallel.planner.memory.pipeline`, where its terms are written out).
@@ -68,8 +67,8 @@ from lit_parallel.planner.memory.table import StateRow
 from lit_parallel.planner.simulation import StepSimulation
 
 STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
-# tp_dp: copies of a row-wise layer's output live at its forward all-reduce (the partial sum, the reduced
-# result, gloo's input and output buffers): 4 at the measured peaks of vit, mlp and BlockMLP
+# tp_dp: copies of a row-wise layer's output live at its forward all-reduce: the partial sum, the reduced
+# result, gloo's input and output buffers
 TP_ALL_REDUCE_COPIES = 4
 LABELS = {
     "one_process": "one process (no DDP)",
@@ -262,7 +261,7 @@ def fsdp_moments(
     every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
     ratio = padded(every, shard) / shape.params if shape.params else 1.0
     # one rank per shard (HSDP of replicas of 1, tp_dp over one data-parallel rank): the gathered copies are
-    # there, the forward's flat all-gather outputs are not (measured so on BlockMLP, gpt2, vit and mlp)
+    # there, the forward's flat all-gather outputs are not
     f = _Fsdp(strategy, state[0] * ratio, state[1] * ratio, state[2],  # shards are padded; AdamW's state not
               padded(shape.root_shapes, shard) * c, [padded(b, shard) * c for b in shape.block_shapes],
               keep=strategy == "zero2", shard=shard, gloo=gloo, flat=0.0 if shard == 1 else 1.0)  # fmt: skip

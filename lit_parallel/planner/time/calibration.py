@@ -12,7 +12,7 @@ adds. Five shapes separate five costs:
   root group and two block groups);
 * ``thin`` (6 blocks of 1 layer): 4 more FSDP groups and 8 more parameter tensors;
 * ``wide`` (6 blocks of 12 layers): the same groups, 132 more tensors than ``thin`` (a long lever: models
-  have tens to hundreds of tensors, and each calibration step moves by a millisecond or two between runs);
+  have tens to hundreds of tensors, and each calibration step is noisy);
 * ``heavy`` (``reference`` at width 1024): the same groups and tensors, about 8.4 MB more parameters;
 * ``buffered`` (``reference`` with a buffer): what syncing buffers adds (DDP broadcasts them at every
   forward, a synchronisation of the ranks in the middle of the step; FSDP2 does not);

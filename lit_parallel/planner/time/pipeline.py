@@ -154,8 +154,7 @@ def pipeline_step_time(
         latency_s, bandwidth_gbps: one point-to-point transfer's latency and bandwidth (GB/s); without a
             bandwidth only the latency is counted.
         slot_overhead_s: fixed seconds every slot costs besides compute and transfers (the schedule's and
-            FSDP2's per-micro-batch bookkeeping: about 12 ms per micro-batch on 2 CPU ranks of a busy
-            machine, measured; negligible next to a GPU's micro-batch of a large model); 0 by default.
+            FSDP2's per-micro-batch bookkeeping); 0 by default.
 
     Returns:
         ``M`` slots of compute, ``P - 1`` slots idle (the bubble, ``(P - 1) / (M + P - 1)`` of the step),
