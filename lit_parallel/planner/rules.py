@@ -37,7 +37,7 @@ from lit_parallel.planner.memory.table import MemoryRow, StateRow, memory_rows, 
 from lit_parallel.planner.model_summary import ModelSummary, build_on_meta, load_model_class, summarize_model
 from lit_parallel.planner.precision import PRECISIONS, PrecisionBytes, canonical_precision, precision_bytes
 
-# the names this module has always offered, now defined where they belong
+# the advisor, and the summary, precision and memory-table names its answers are made of
 __all__ = [
     "GB",
     "PRECISIONS",

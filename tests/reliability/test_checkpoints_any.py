@@ -1,4 +1,4 @@
-"""Any checkpoint under any strategy and any number of ranks (issue 13 item 4).
+"""Any checkpoint under any strategy and any number of ranks.
 
 Two launches (torchrun): on 2 ranks six strategies train one epoch and save (ddp_tuned and Lightning's ``ddp``
 write one full file; fsdp_blocks, hsdp, tp_dp and Lightning's ModelParallelStrategy a sharded DCP folder),

@@ -296,7 +296,7 @@ def test_advise_command_refuses_bad_input_with_the_value_and_the_fix(args, messa
     assert message in err.getvalue()
 
 
-# --- rough edges a new user runs into (issue 15) ---------------------------------------------------------
+# --- rough edges a new user runs into -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("alias", "flag"), [("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true")])
@@ -367,7 +367,7 @@ def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(ca
     assert fits.verdict(RULES[-1], True) == "yes"
 
 
-# --- peak memory and step time: predicted, then measured (issue 15) ----------------------------------------
+# --- peak memory and step time: predicted, then measured ----------------------------------------------------
 
 from lit_parallel.measure.live_memory import LiveMemory  # noqa: E402
 from lit_parallel.planner.memory.predict import predict_peaks  # noqa: E402
