@@ -116,9 +116,8 @@ class LiveMemory(TorchDispatchMode):
         key = storage_key(t)
         if key in self.live:
             alloc = self.live[key]
-            if (
-                self.exact and storage.nbytes() != self.sizes[alloc]
-            ):  # resized in place since (FSDP2's gather)
+            # resized in place since (FSDP2's gather)
+            if self.exact and storage.nbytes() != self.sizes[alloc]:
                 self.current += storage.nbytes() - self.sizes[alloc]
                 self.sizes[alloc] = storage.nbytes()
                 self._check_peak()

@@ -63,8 +63,9 @@ def pipeline_layout(
 def pipeline_plan(module: nn.Module, block_names: list[str], layout: PipelineLayout) -> PipelinePlan:
     """The strategy's stages for ``layout`` (:func:`~lit_parallel.parallel.pipeline.plan.plan_pipeline`)."""
     blocks = BlockPlan([(n, module.get_submodule(n)) for n in block_names], (), 0)
-    return plan_pipeline(module, blocks, pp_size=layout.stages, schedule=layout.schedule,
-                         microbatches=layout.microbatches)  # fmt: skip
+    return plan_pipeline(
+        module, blocks, pp_size=layout.stages, schedule=layout.schedule, microbatches=layout.microbatches
+    )
 
 
 def micro_batch_args(module: nn.Module, micro_batch: int, seq_len: int | None, example_inputs: Any) -> tuple:

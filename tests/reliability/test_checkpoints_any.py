@@ -90,9 +90,8 @@ def test_a_full_file_is_refused_under_tp_dp_with_fused_layers_naming_the_fix(tmp
     path = tmp_path / "full.ckpt"
     torch.save({"state_dict": {}, "optimizer_states": []}, path)
     strategy = lp.TensorParallelStrategy(tensor_parallel_size=2)
-    strategy.tp_plan = SimpleNamespace(
-        fused={"model.h.0.attn.c_attn": [32, 32, 32]}
-    )  # as apply_tp records it
+    # as apply_tp records it
+    strategy.tp_plan = SimpleNamespace(fused={"model.h.0.attn.c_attn": [32, 32, 32]})
     with pytest.raises(ValueError) as err:
         strategy.load_checkpoint(path)  # no process group: broadcast returns the path itself
     text = str(err.value)

@@ -49,8 +49,19 @@ STEP_REPEATS = 12  # measured steps after the warm-up (their lower quartile is t
 # compared with that round's steps, and figures are medians over the rounds (why 5: docs/advise-accuracy.md)
 ROUNDS = 5
 # what a launcher tells a rank: hidden while a rank runs a one-process Trainer (Lightning would join the launch)
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @dataclass
@@ -118,9 +129,16 @@ def _probe(track_batch: int, live_from_start: Any = None, between: Any = None):
 
 
 def measure_step(
-    model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = STEP_REPEATS,
-    module: Any = None, live_from_start: Any = None, between: Any = None,
-):  # fmt: skip
+    model: nn.Module,
+    inputs: tuple,
+    *,
+    strategy: Any = "auto",
+    devices: int = 1,
+    repeats: int = STEP_REPEATS,
+    module: Any = None,
+    live_from_start: Any = None,
+    between: Any = None,
+):
     """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the lower quartile
     of the ``repeats`` after it. Returns ``(peak, seconds)``. ``module``: the LightningModule to fit around
     ``model`` (default: forward, the planner's loss, AdamW). ``live_from_start(trainer, batch)``: tensors
@@ -305,13 +323,22 @@ def worker_timer(args: argparse.Namespace, kwargs: dict) -> PartsTimer | None:
     shape = _input_shape(args)
     # pp_dp's micro-batch, as advise predicts it (the launch's ranks are its stages)
     m = pipeline_microbatches(args.batch_size, args.devices) if args.batch_size else None
-    return PartsTimer(module, block_name=args.timing_unit or None, batch_size=args.batch_size,
-                      seq_len=args.seq_len, example_inputs=shaped_input(shape),
-                      low_batch=args.batch_size // m if m else None)  # fmt: skip
+    return PartsTimer(
+        module,
+        block_name=args.timing_unit or None,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        example_inputs=shaped_input(shape),
+        low_batch=args.batch_size // m if m else None,
+    )
 
 
 def _measure_strategy(
-    factory: Any, kwargs: dict, args: argparse.Namespace, name: str, timer: PartsTimer | None,
+    factory: Any,
+    kwargs: dict,
+    args: argparse.Namespace,
+    name: str,
+    timer: PartsTimer | None,
     cost: AllReduceTimer | FSDPCostTimer | None = None,
 ) -> dict[str, Any]:
     """One strategy's measured step in this launch: every rank's peak, the step seconds and the parts
@@ -322,9 +349,14 @@ def _measure_strategy(
     model, inputs = _model_and_inputs(factory, kwargs, args)
     samplers = [t.sample for t in (timer, cost) if t is not None]
     try:
-        peak, step_s = measure_step(model, inputs, strategy=strategy_object(name, args.devices),
-                                    devices=args.devices, repeats=args.repeats,
-                                    between=(lambda: [f() for f in samplers]) if samplers else None)  # fmt: skip
+        peak, step_s = measure_step(
+            model,
+            inputs,
+            strategy=strategy_object(name, args.devices),
+            devices=args.devices,
+            repeats=args.repeats,
+            between=(lambda: [f() for f in samplers]) if samplers else None,
+        )
     except Exception as err:  # a strategy this model cannot run: reported, the others still measured
         parts_timing(timer)  # what it sampled before failing belongs to no row
         if cost is not None:
@@ -426,11 +458,21 @@ def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 15) -> tuple[float, in
 
 
 def launch(
-    model: str, model_kwargs: str | None, *, ranks: int, batch_size: int | None, seq_len: int | None,
-    grad_bytes: int, repeats: int = STEP_REPEATS, timeout: float = 900,
-    input_shape: tuple[int, ...] | None = None, calibration_repeats: int = CALIBRATION_REPEATS,
-    timing_unit: str | None = None, rounds: int = ROUNDS, strategies: tuple[str, ...] = LAUNCH_STRATEGIES,
-) -> dict[str, Any]:  # fmt: skip
+    model: str,
+    model_kwargs: str | None,
+    *,
+    ranks: int,
+    batch_size: int | None,
+    seq_len: int | None,
+    grad_bytes: int,
+    repeats: int = STEP_REPEATS,
+    timeout: float = 900,
+    input_shape: tuple[int, ...] | None = None,
+    calibration_repeats: int = CALIBRATION_REPEATS,
+    timing_unit: str | None = None,
+    rounds: int = ROUNDS,
+    strategies: tuple[str, ...] = LAUNCH_STRATEGIES,
+) -> dict[str, Any]:
     """Start ``ranks`` processes (torchrun) that measure ``strategies`` (:data:`LAUNCH_STRATEGIES`, in that
     order); rank 0's results."""
     from lit_parallel.commands.launch import run_ranks
@@ -515,8 +557,16 @@ def measure_pipeline_step(
             f" which pp_dp with {devices} stages (1F1B) needs; use a batch size divisible by {devices}"
         )
     strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=devices, microbatches=m, schedule=schedule)
-    return measure_step(model, inputs, strategy=strategy, devices=devices, repeats=repeats or STEP_REPEATS,
-                        module=_pipeline_module(model), live_from_start=held_by_the_pipeline, between=between)  # fmt: skip
+    return measure_step(
+        model,
+        inputs,
+        strategy=strategy,
+        devices=devices,
+        repeats=repeats or STEP_REPEATS,
+        module=_pipeline_module(model),
+        live_from_start=held_by_the_pipeline,
+        between=between,
+    )
 
 
 def held_by_the_pipeline(trainer: Any, batch: Any) -> list[torch.Tensor]:
@@ -586,18 +636,24 @@ def combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, 
     between the steps; the peaks of the first round (memory does not drift)."""
     med = statistics.median
     alone = [r["alone"] for r in rounds]
-    out: dict[str, Any] = {"alone": {
-        "overhead_s": med(a["overhead_s"] for a in alone),
-        "one_process": {k: med(a["one_process"][k] for a in alone) for k in alone[0]["one_process"]},
-    }, "calibration": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "alone": {
+            "overhead_s": med(a["overhead_s"] for a in alone),
+            "one_process": {k: med(a["one_process"][k] for a in alone) for k in alone[0]["one_process"]},
+        },
+        "calibration": {},
+    }
     for name in plain:
         got = [r[name] for r in rounds if name in r]
         failed = [g for g in got if "error" in g]
         if failed:  # in any round (the later rounds skip it): the strategy is reported as failed
             out[name] = failed[0]
             continue
-        out[name] = {"peaks": got[0]["peaks"], "step_s": med(g["step_s"] for g in got),
-                     "timing": median_timing_dict([g.get("timing") for g in got])}  # fmt: skip
+        out[name] = {
+            "peaks": got[0]["peaks"],
+            "step_s": med(g["step_s"] for g in got),
+            "timing": median_timing_dict([g.get("timing") for g in got]),
+        }
         timed = [g.get("timed_costs") or {} for g in got]  # costs timed between its steps
         keys = {k for t in timed for k, v in t.items() if v is not None}
         if keys:

@@ -64,9 +64,7 @@ class Prediction:
         strategy (:mod:`~lit_parallel.planner.time.calibration`) communication is what it was measured to add
         per step, per FSDP group, per parameter tensor and per parameter byte (``hsdp`` and ``tp_dp``: the
         ``fsdp_blocks`` cost without its per-byte part, plus their own bytes over the bus bandwidth)."""
-        if (
-            strategy == "pp_dp"
-        ):  # the pipeline's bubble and stage boundaries: lit_parallel/commands/advise/measure.py
+        if strategy == "pp_dp":  # the pipeline's bubble and stage boundaries: :func:`pipeline_step_s`
             return pipeline_step_s(self)
         if self.timing is None:
             return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
@@ -93,13 +91,29 @@ class Prediction:
         )
         root = r.shape.params - r.shape.block_params
         if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
-            return comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                                busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups,
-                                root_params=root)  # fmt: skip
+            return comm_seconds(
+                strategy,
+                r.shape.params,
+                devices=r.devices,
+                nodes=r.nodes,
+                grad_bytes=grad,
+                busbw_gbps=self.busbw_gbps,
+                latency_s=self.latency_s,
+                groups=self.groups,
+                root_params=root,
+            )
         if not own_cost:  # priced with another strategy's cost: its own bytes at the bus bandwidth
-            sent = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                                busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups,
-                                root_params=root)  # fmt: skip
+            sent = comm_seconds(
+                strategy,
+                r.shape.params,
+                devices=r.devices,
+                nodes=r.nodes,
+                grad_bytes=grad,
+                busbw_gbps=self.busbw_gbps,
+                latency_s=0.0,
+                groups=self.groups,
+                root_params=root,
+            )
             calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
             more_calls = calls - collectives_per_step("fsdp_blocks", groups=self.groups, grad_bytes=grad)
             own = cost.seconds(self.groups, self.timing.tensors, cost.reference_bytes)  # no per-byte part
@@ -119,17 +133,30 @@ class Prediction:
         out = self.report.as_dict()
         for strategy, entry in out["peak"].items():
             entry["time"] = self.step_s(strategy)
-        out.update(model=self.model, overhead_s=self.overhead_s, busbw_gbps=self.busbw_gbps,
-                   latency_s=self.latency_s, notes=self.notes)  # fmt: skip
+        out.update(
+            model=self.model,
+            overhead_s=self.overhead_s,
+            busbw_gbps=self.busbw_gbps,
+            latency_s=self.latency_s,
+            notes=self.notes,
+        )
         if self.costs:
             out["strategy_costs"] = {name: cost.as_dict() for name, cost in self.costs.items()}
         if self.timing is not None:
             t = self.timing
-            out["block_timing"] = {"unit": t.block_description, "block_s": t.block_s, "op_s": t.op_s,
-                                   "flop_s": t.flop_s, "ops": t.ops, "flops": t.flops,
-                                   "optimizer_tensor_s": t.optimizer_tensor_s,
-                                   "optimizer_element_s": t.optimizer_element_s, "tensors": t.tensors,
-                                   "elements": t.elements, "fsdp_groups": self.groups}  # fmt: skip
+            out["block_timing"] = {
+                "unit": t.block_description,
+                "block_s": t.block_s,
+                "op_s": t.op_s,
+                "flop_s": t.flop_s,
+                "ops": t.ops,
+                "flops": t.flops,
+                "optimizer_tensor_s": t.optimizer_tensor_s,
+                "optimizer_element_s": t.optimizer_element_s,
+                "tensors": t.tensors,
+                "elements": t.elements,
+                "fsdp_groups": self.groups,
+            }
         return out
 
 
@@ -182,25 +209,47 @@ def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> Tim
     unit = module.get_submodule(largest) if largest else module
     unit_bytes = sum(p.numel() for p in unit.parameters()) * 16
     if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
-        pred.notes.append(f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
-                          f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
+        pred.notes.append(
+            f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
+            f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM"
+        )
         return None
     return TimingUnit(largest)
 
 
 def predict(
-    path: str, kwargs: dict[str, Any], *, precision: str, devices: int, nodes: int, batch_size: int | None,
-    seq_len: int | None, device_type: str, step_time: bool, busbw_gbps: float | None, latency_s: float = 0.0,
-    input_shape: tuple[int, ...] | None = None, costs: dict[str, StrategyCost] | None = None,
-) -> Prediction:  # fmt: skip
+    path: str,
+    kwargs: dict[str, Any],
+    *,
+    precision: str,
+    devices: int,
+    nodes: int,
+    batch_size: int | None,
+    seq_len: int | None,
+    device_type: str,
+    step_time: bool,
+    busbw_gbps: float | None,
+    latency_s: float = 0.0,
+    input_shape: tuple[int, ...] | None = None,
+    costs: dict[str, StrategyCost] | None = None,
+) -> Prediction:
     """Peak memory of every strategy, and the step time when the model (or its largest block) can be timed
     here; ``costs``: what each strategy adds per step on the cluster (``advise --cluster``)."""
     name, module, names, largest = meta_model(path, kwargs)
     given = shaped_input(input_shape)
     tp, why = tp_plan(module, devices) if devices > 1 else (None, "")
-    report = predict_peaks(module, precision=precision, devices=devices, nodes=nodes, batch_size=batch_size,
-                           seq_len=seq_len, block_names=names, device_type=device_type,
-                           example_inputs=given(batch_size or 1) if given else None, tp_plan=tp)  # fmt: skip
+    report = predict_peaks(
+        module,
+        precision=precision,
+        devices=devices,
+        nodes=nodes,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        block_names=names,
+        device_type=device_type,
+        example_inputs=given(batch_size or 1) if given else None,
+        tp_plan=tp,
+    )
     pred = Prediction(
         name,
         report,
@@ -231,8 +280,15 @@ def predict(
     if unit is None:
         return pred
     low = report.pipeline.layout.micro_batch if report.pipeline is not None else None  # pp_dp's slots run it
-    pred.timing = predict_step_time(module, block_name=unit.block, dtype=compute_dtype(precision), batch_size=batch_size,
-                                    seq_len=seq_len, example_inputs=given, low_batch=low)  # fmt: skip
+    pred.timing = predict_step_time(
+        module,
+        block_name=unit.block,
+        dtype=compute_dtype(precision),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        example_inputs=given,
+        low_batch=low,
+    )
     from lit_parallel.commands.advise.measure import lightning_overhead
 
     pred.overhead_s = lightning_overhead()
@@ -279,9 +335,16 @@ def pipeline_step_s(pred: Prediction) -> dict[str, float | None]:
     comm = time.p2p_s + time.overhead_s  # transfers and the schedule's per-slot bookkeeping
     if pred.busbw_gbps and lay.data_parallel > 1:
         grad = 4 if pred.report.precision == "32-true" else 2
-        comm += comm_seconds("fsdp_blocks", round(share * pred.report.shape.params), devices=lay.data_parallel,
-                             nodes=1, grad_bytes=grad, busbw_gbps=pred.busbw_gbps, latency_s=pred.latency_s,
-                             groups=groups)  # fmt: skip
+        comm += comm_seconds(
+            "fsdp_blocks",
+            round(share * pred.report.shape.params),
+            devices=lay.data_parallel,
+            nodes=1,
+            grad_bytes=grad,
+            busbw_gbps=pred.busbw_gbps,
+            latency_s=pred.latency_s,
+            groups=groups,
+        )
     compute = time.compute_s + time.bubble_s
     return {
         "compute_s": compute,
@@ -296,28 +359,43 @@ def print_prediction(pred: Prediction, console: Any) -> None:
 
     r = pred.report
     b = lambda n: format_bytes(n, decimal=True)  # noqa: E731
-    console.print(f"[bold]peak memory per rank[/bold] of one training step (AdamW), micro-batch {r.batch_size} "
-                  f"({r.input_description}), {r.precision}; activations by precision (no AC / AC): "
-                  + ", ".join(f"{p} {b(v['off'])} / {b(v.get('on', v['off']))}" for p, v in r.activations.items()))  # fmt: skip
+    console.print(
+        f"[bold]peak memory per rank[/bold] of one training step (AdamW), micro-batch {r.batch_size} "
+        f"({r.input_description}), {r.precision}; activations by precision (no AC / AC): "
+        + ", ".join(f"{p} {b(v['off'])} / {b(v.get('on', v['off']))}" for p, v in r.activations.items())
+    )
     table = Table()
     for col in ("strategy", *CATEGORIES, "peak", "peak with AC", "at", "step time"):
         table.add_column(col, justify="left" if col in ("strategy", "at") else "right")
     for s, p in r.peaks.items():
         t = pred.step_s(s)["step_s"]
-        table.add_row(LABELS[s], *(b(getattr(p, c)) for c in CATEGORIES), b(p.total),
-                      b(r.peaks_checkpointed[s].total), p.phase + (f" ({p.moment})" if p.moment else ""), "-" if t is None else f"{t * 1e3:.1f} ms")  # fmt: skip
+        table.add_row(
+            LABELS[s],
+            *(b(getattr(p, c)) for c in CATEGORIES),
+            b(p.total),
+            b(r.peaks_checkpointed[s].total),
+            p.phase + (f" ({p.moment})" if p.moment else ""),
+            "-" if t is None else f"{t * 1e3:.1f} ms",
+        )
     console.print(table)
     if pred.timing is not None:
         t = pred.timing
-        console.print(f"step time: {t.block_description} timed here: {t.block_s * 1e3:.2f} ms forward + backward"
-                      f" -> {t.op_s * 1e6:.1f} us per op, {t.flop_s * 1e12:.1f} ps per FLOP; the step has {t.ops:,}"
-                      f" ops and {t.flops:.3g} FLOPs = {t.compute_s * 1e3:.2f} ms; AdamW {t.optimizer_s() * 1e3:.2f} ms;"
-                      f" Lightning's per-step overhead {pred.overhead_s * 1e3:.2f} ms"
-                      + (f"; collectives at {pred.busbw_gbps:g} GB/s, {pred.latency_s * 1e6:.0f} us each"
-                         if pred.busbw_gbps else ""))  # fmt: skip
+        console.print(
+            f"step time: {t.block_description} timed here: {t.block_s * 1e3:.2f} ms forward + backward"
+            f" -> {t.op_s * 1e6:.1f} us per op, {t.flop_s * 1e12:.1f} ps per FLOP; the step has {t.ops:,}"
+            f" ops and {t.flops:.3g} FLOPs = {t.compute_s * 1e3:.2f} ms; AdamW {t.optimizer_s() * 1e3:.2f} ms;"
+            f" Lightning's per-step overhead {pred.overhead_s * 1e3:.2f} ms"
+            + (
+                f"; collectives at {pred.busbw_gbps:g} GB/s, {pred.latency_s * 1e6:.0f} us each"
+                if pred.busbw_gbps
+                else ""
+            )
+        )
     if r.pipeline is not None:
-        console.print(f"pp_dp: {r.pipeline.layout.describe()}; the row is its largest stage (stage"
-                      f" {r.pipeline.off.stage}); bubble and stage boundary transfers are in its step time")  # fmt: skip
+        console.print(
+            f"pp_dp: {r.pipeline.layout.describe()}; the row is its largest stage (stage"
+            f" {r.pipeline.off.stage}); bubble and stage boundary transfers are in its step time"
+        )
     if r.checkpointing_note:
         console.print(f"[yellow]note[/yellow]: {escape(r.checkpointing_note)}")
     for note in [*r.notes, *pred.notes]:

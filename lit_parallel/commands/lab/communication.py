@@ -99,8 +99,13 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
             label = f"bucket {bucket:g} MB, hook {hook}"
             ax_share.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
             ax_time.plot([p[0] for p in pts], [p[2] * 1e3 for p in pts], "o-", label=label)
-    ax_share.set(title=f"exposed communication ({res['params']:,} params, 2 ranks)", xlabel="batch per rank",
-                 ylabel="share of the step", xscale="log", ylim=(-0.05, 1.05))  # fmt: skip
+    ax_share.set(
+        title=f"exposed communication ({res['params']:,} params, 2 ranks)",
+        xlabel="batch per rank",
+        ylabel="share of the step",
+        xscale="log",
+        ylim=(-0.05, 1.05),
+    )
     ax_time.set(title="step time", xlabel="batch per rank", ylabel="ms", xscale="log")
     ax_share.legend(fontsize=7)
     files.append(save(fig, out / "communication.png"))

@@ -104,8 +104,14 @@ def predicted(width: int) -> dict[str, float]:
     2 nodes of 1 device (its two replicas of one rank)."""
     from lit_parallel.commands.advise.report import predict
 
-    kw = {"precision": "32-true", "batch_size": BATCH, "seq_len": None, "device_type": "cpu", "step_time": False,
-          "busbw_gbps": None}  # fmt: skip
+    kw = {
+        "precision": "32-true",
+        "batch_size": BATCH,
+        "seq_len": None,
+        "device_type": "cpu",
+        "step_time": False,
+        "busbw_gbps": None,
+    }
     path, kwargs = "lit_parallel.commands.lab.memory:BlockMLP", {"width": width}
     peaks = {s: p.total for s, p in predict(path, kwargs, devices=2, nodes=1, **kw).report.peaks.items()}
     peaks["hsdp"] = predict(path, kwargs, devices=1, nodes=2, **kw).report.peaks["hsdp"].total
@@ -124,10 +130,18 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
     for r in res["rows"]:
         pred = predicted(r["width"])[r["strategy"]]
         meas = r.get("measured", {}).get("total")
-        rows.append({"width": r["width"], "params": sum(p.numel() for p in BlockMLP(r["width"]).parameters()),
-                     "strategy": r["strategy"], "predicted_bytes": pred, "measured_bytes": meas if meas else "",
-                     "error": abs(pred - meas) / meas if meas else "", "note": r.get("error", ""),
-                     **{f"measured_{k}": r.get("measured", {}).get(k, "") for k in CATEGORIES}})  # fmt: skip
+        rows.append(
+            {
+                "width": r["width"],
+                "params": sum(p.numel() for p in BlockMLP(r["width"]).parameters()),
+                "strategy": r["strategy"],
+                "predicted_bytes": pred,
+                "measured_bytes": meas if meas else "",
+                "error": abs(pred - meas) / meas if meas else "",
+                "note": r.get("error", ""),
+                **{f"measured_{k}": r.get("measured", {}).get(k, "") for k in CATEGORIES},
+            }
+        )
     files = [write_csv(out / "memory.csv", rows)]
     fig, (ax,) = figure(1, width=6.5)
     for i, name in enumerate(STRATEGIES):
@@ -147,8 +161,13 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
             color=color,
             label=f"{name} predicted",
         )
-    ax.set(title=f"peak memory per rank, 2 ranks, batch {BATCH} (AdamW, fp32)", xlabel="parameters",
-           ylabel="MB", xscale="log", yscale="log")  # fmt: skip
+    ax.set(
+        title=f"peak memory per rank, 2 ranks, batch {BATCH} (AdamW, fp32)",
+        xlabel="parameters",
+        ylabel="MB",
+        xscale="log",
+        yscale="log",
+    )
     ax.legend(fontsize=7, ncol=2)
     files.append(save(fig, out / "memory.png"))
     (out / "memory.json").write_text(json.dumps({"widths": widths}))

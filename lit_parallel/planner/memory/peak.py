@@ -188,7 +188,13 @@ class PeakReport:
 
 
 def _strategy_peak(
-    strategy: str, sim: StepSimulation, rows: dict[str, StateRow], shape: ModelShape, *, c: int, opt_bytes: int,
+    strategy: str,
+    sim: StepSimulation,
+    rows: dict[str, StateRow],
+    shape: ModelShape,
+    *,
+    c: int,
+    opt_bytes: int,
     extra: dict,
 ) -> Peak:
     """The three moments of one step for ``strategy``; the largest wins."""
@@ -216,12 +222,26 @@ def _strategy_peak(
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     grads_bw = g if strategy == "ddp_tuned" else g * fraction  # DDP's buckets hold every gradient all step
     moments = [
-        Peak(strategy, p + gathered["fw"][0], g, o, split(fw["activations"]),
-             split(fw["temporaries"]) + gathered["fw"][1], "forward"),
-        Peak(strategy, p + gathered["bw"][0], grads_bw, o, split(bw["activations"]),
-             split(bw["temporaries"]) + gathered["bw"][1], "backward"),
+        Peak(
+            strategy,
+            p + gathered["fw"][0],
+            g,
+            o,
+            split(fw["activations"]),
+            split(fw["temporaries"]) + gathered["fw"][1],
+            "forward",
+        ),
+        Peak(
+            strategy,
+            p + gathered["bw"][0],
+            grads_bw,
+            o,
+            split(bw["activations"]),
+            split(bw["temporaries"]) + gathered["bw"][1],
+            "backward",
+        ),
         Peak(strategy, p, g, o, 0.0, opt_bytes / (shard if sharded else 1), "optimizer step"),
-    ]  # fmt: skip
+    ]
     return max(moments, key=lambda m: m.total)
 
 
@@ -244,27 +264,50 @@ class _Fsdp:
 
 
 def _fsdp_peak(
-    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    strategy: str,
+    sim: StepSimulation,
+    shape: ModelShape,
+    state: tuple,
+    *,
+    c: int,
+    opt_bytes: int,
+    shard: int,
     gloo: bool,
-) -> Peak:  # fmt: skip
+) -> Peak:
     """The largest of :func:`fsdp_moments`."""
     moments = fsdp_moments(strategy, sim, shape, state, c=c, opt_bytes=opt_bytes, shard=shard, gloo=gloo)
     return max(moments, key=lambda m: m.total)
 
 
 def fsdp_moments(
-    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    strategy: str,
+    sim: StepSimulation,
+    shape: ModelShape,
+    state: tuple,
+    *,
+    c: int,
+    opt_bytes: int,
+    shard: int,
     gloo: bool,
-) -> list[Peak]:  # fmt: skip
+) -> list[Peak]:
     """FSDP2's moments (module docstring): each block's gather, inside and after it in forward, the loss,
     each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
     every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
     ratio = padded(every, shard) / shape.params if shape.params else 1.0
     # one rank per shard (HSDP of replicas of 1, tp_dp over one data-parallel rank): the gathered copies are
     # there, the forward's flat all-gather outputs are not
-    f = _Fsdp(strategy, state[0] * ratio, state[1] * ratio, state[2],  # shards are padded; AdamW's state not
-              padded(shape.root_shapes, shard) * c, [padded(b, shard) * c for b in shape.block_shapes],
-              keep=strategy == "zero2", shard=shard, gloo=gloo, flat=0.0 if shard == 1 else 1.0)  # fmt: skip
+    f = _Fsdp(
+        strategy,
+        state[0] * ratio,
+        state[1] * ratio,
+        state[2],  # shards are padded; AdamW's state not
+        padded(shape.root_shapes, shard) * c,
+        [padded(b, shard) * c for b in shape.block_shapes],
+        keep=strategy == "zero2",
+        shard=shard,
+        gloo=gloo,
+        flat=0.0 if shard == 1 else 1.0,
+    )
     moments = _fsdp_forward(f, sim) + _fsdp_backward(f, sim, shape, c)
     moments.append(Peak(strategy, f.p, f.g, f.o, 0.0, opt_bytes / shard, "optimizer step"))
     return moments
@@ -294,8 +337,18 @@ def _fsdp_forward(f: _Fsdp, sim: StepSimulation) -> list[Peak]:
     # method), so the last group's flat output lives until the loss is computed
     fw = sim.forward_peak.by_category
     last = blocks[-1] if blocks else root
-    moments.append(Peak(s, p + root + (sum(blocks) if f.keep else 0.0), g, o, fw["activations"],
-                        fw["temporaries"] + f.flat * last, "forward", "loss"))  # fmt: skip
+    moments.append(
+        Peak(
+            s,
+            p + root + (sum(blocks) if f.keep else 0.0),
+            g,
+            o,
+            fw["activations"],
+            fw["temporaries"] + f.flat * last,
+            "forward",
+            "loss",
+        )
+    )
     return moments
 
 
@@ -320,29 +373,62 @@ def _fsdp_backward(f: _Fsdp, sim: StepSimulation, shape: ModelShape, c: int) -> 
             sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
             gathered = root + (sum(blocks[:k]) if keep else 0.0)
             prefetched = blocks[k - 1] if k and not keep else 0.0
-            moments.append(Peak(s, p + gathered + more_p, sharded + root_grads + more_g, o, act,
-                                tmp + prefetched + more_t, "backward", f"block {k} reduce-scattered"))  # fmt: skip
+            moments.append(
+                Peak(
+                    s,
+                    p + gathered + more_p,
+                    sharded + root_grads + more_g,
+                    o,
+                    act,
+                    tmp + prefetched + more_t,
+                    "backward",
+                    f"block {k} reduce-scattered",
+                )
+            )
     # the loss's and the head's backward, before the last block's: only the root gathered (ZeRO-2: every
     # block), the root's unsharded gradients so far; ZeRO-3's root prefetches the last block's all-gather
     if sim.backward_head is not None and blocks:
         head = sim.backward_head.by_category
-        moments.append(Peak(s, p + root + (sum(blocks) if keep else 0.0), head["grads"], o, head["activations"],
-                            head["temporaries"] + (0.0 if keep else blocks[-1]), "backward", "loss and head"))  # fmt: skip
+        moments.append(
+            Peak(
+                s,
+                p + root + (sum(blocks) if keep else 0.0),
+                head["grads"],
+                o,
+                head["activations"],
+                head["temporaries"] + (0.0 if keep else blocks[-1]),
+                "backward",
+                "loss and head",
+            )
+        )
     # the rest of backward (its highest point may come before any block is done): ZeRO-3 has a block
     # gathered and the next one's all-gather output prefetched
     bw = (sim.backward_blocks or sim.backward_peak).by_category
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     largest = max(blocks, default=0.0)
-    moments.append(Peak(s, p + root + (sum(blocks) if keep else largest), g * fraction, o, bw["activations"],
-                        bw["temporaries"] + (0.0 if keep else largest), "backward"))  # fmt: skip
+    moments.append(
+        Peak(
+            s,
+            p + root + (sum(blocks) if keep else largest),
+            g * fraction,
+            o,
+            bw["activations"],
+            bw["temporaries"] + (0.0 if keep else largest),
+            "backward",
+        )
+    )
     return moments
 
 
 def add_strategy_peaks(
-    report: PeakReport, sims: dict[tuple[str, bool], StepSimulation], rows: dict[str, StateRow], *, c: int,
+    report: PeakReport,
+    sims: dict[tuple[str, bool], StepSimulation],
+    rows: dict[str, StateRow],
+    *,
+    c: int,
     opt_bytes: int,
     device_type: str,
-) -> None:  # fmt: skip
+) -> None:
     """Every strategy's peak from the one-process simulations, without and with checkpointing (the row
     without, where checkpointing was not simulated), into ``report``."""
     precision, devices, shape = report.precision, report.devices, report.shape

@@ -209,13 +209,29 @@ def stage_peaks(
         per_block = [_numel(module, n) * c for n in stage.blocks]
         root = params * c - sum(per_block)
         gathered, live = backward_moment(k, head, blocks, tail, root, per_block, d > 1)
-        out.append(max(
-            StageBytes(s, params * b.params / d + gathered, trainable * b.grads / d + trainable * b.grads,
-                       optimizer, live, kept + in_step + sim.temporaries, "backward"),
-            StageBytes(s, params * b.params / d, trainable * b.grads / d, optimizer, 0.0, scratch + kept,
-                       "optimizer step"),
-            key=lambda x: x.total,
-        ))  # fmt: skip
+        out.append(
+            max(
+                StageBytes(
+                    s,
+                    params * b.params / d + gathered,
+                    trainable * b.grads / d + trainable * b.grads,
+                    optimizer,
+                    live,
+                    kept + in_step + sim.temporaries,
+                    "backward",
+                ),
+                StageBytes(
+                    s,
+                    params * b.params / d,
+                    trainable * b.grads / d,
+                    optimizer,
+                    0.0,
+                    scratch + kept,
+                    "optimizer step",
+                ),
+                key=lambda x: x.total,
+            )
+        )
     return out
 
 
@@ -233,9 +249,16 @@ class PipelinePrediction:
 
     def as_dict(self) -> dict[str, Any]:
         lay = self.layout
-        return {"stages": lay.stages, "microbatches": lay.microbatches, "data_parallel": lay.data_parallel,
-                "schedule": lay.schedule, "micro_batch": lay.micro_batch, "largest_stage": self.off.stage,
-                "boundary_bytes": self.boundary_bytes, "largest_stage_param_share": self.stage_share}  # fmt: skip
+        return {
+            "stages": lay.stages,
+            "microbatches": lay.microbatches,
+            "data_parallel": lay.data_parallel,
+            "schedule": lay.schedule,
+            "micro_batch": lay.micro_batch,
+            "largest_stage": self.off.stage,
+            "boundary_bytes": self.boundary_bytes,
+            "largest_stage_param_share": self.stage_share,
+        }
 
 
 def predict_pipeline(

@@ -78,8 +78,10 @@ def stage_work(module: nn.Module, stage_blocks: list[list[str]], args: tuple) ->
         for h in handles:
             h.remove()
     total_ops, total_flops = max(1, sum(ops)), max(1, sum(flops))
-    return [StageWork(o / total_ops, f / total_flops, len(names) + 1)
-            for o, f, names in zip(ops, flops, stage_blocks, strict=True)]  # fmt: skip
+    return [
+        StageWork(o / total_ops, f / total_flops, len(names) + 1)
+        for o, f, names in zip(ops, flops, stage_blocks, strict=True)
+    ]
 
 
 def uneven_pipeline_step(
@@ -92,8 +94,12 @@ def uneven_pipeline_step(
         raise ValueError(f"microbatches={microbatches} and {len(slot_s)} stages must be at least 1")
     slowest = max(slot_s)
     slots = microbatches + len(slot_s) - 1
-    return PipelineStepTime(microbatches * slowest, sum(slot_s) - slowest,
-                            slots * 2 * transfer_s if len(slot_s) > 1 else 0.0, slots * overhead_per_slot_s)  # fmt: skip
+    return PipelineStepTime(
+        microbatches * slowest,
+        sum(slot_s) - slowest,
+        slots * 2 * transfer_s if len(slot_s) > 1 else 0.0,
+        slots * overhead_per_slot_s,
+    )
 
 
 def transfer_seconds(boundary_bytes: float, latency_s: float, bandwidth_gbps: float | None) -> float:
@@ -166,6 +172,9 @@ def pipeline_step_time(
         )
     if microbatches < 1 or stages < 1:
         raise ValueError(f"microbatches={microbatches} and stages={stages} must be at least 1")
-    return uneven_pipeline_step([stage_compute_s / microbatches] * stages, microbatches=microbatches,
-                                transfer_s=transfer_seconds(boundary_bytes, latency_s, bandwidth_gbps),
-                                overhead_per_slot_s=slot_overhead_s)  # fmt: skip
+    return uneven_pipeline_step(
+        [stage_compute_s / microbatches] * stages,
+        microbatches=microbatches,
+        transfer_s=transfer_seconds(boundary_bytes, latency_s, bandwidth_gbps),
+        overhead_per_slot_s=slot_overhead_s,
+    )
