@@ -90,7 +90,8 @@ class Prediction:
             self.costs.get(strategy if own_cost else _COST_OF.get(strategy, strategy)) if self.costs else None
         )
         root = r.shape.params - r.shape.block_params
-        if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
+
+        def sent(latency_s: float) -> float:  # the step's bytes at the bus bandwidth, latency_s per call
             return comm_seconds(
                 strategy,
                 r.shape.params,
@@ -98,26 +99,18 @@ class Prediction:
                 nodes=r.nodes,
                 grad_bytes=grad,
                 busbw_gbps=self.busbw_gbps,
-                latency_s=self.latency_s,
+                latency_s=latency_s,
                 groups=self.groups,
                 root_params=root,
             )
+
+        if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
+            return sent(self.latency_s)
         if not own_cost:  # priced with another strategy's cost: its own bytes at the bus bandwidth
-            sent = comm_seconds(
-                strategy,
-                r.shape.params,
-                devices=r.devices,
-                nodes=r.nodes,
-                grad_bytes=grad,
-                busbw_gbps=self.busbw_gbps,
-                latency_s=0.0,
-                groups=self.groups,
-                root_params=root,
-            )
             calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
             more_calls = calls - collectives_per_step("fsdp_blocks", groups=self.groups, grad_bytes=grad)
             own = cost.seconds(self.groups, self.timing.tensors, cost.reference_bytes)  # no per-byte part
-            return sent + max(0, more_calls) * self.latency_s + own
+            return sent(0.0) + max(0, more_calls) * self.latency_s + own
         # measured for this strategy: the bytes are in its per-byte cost; DDP's extra buckets pay the latency
         calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
         more_calls = max(0, calls - 1) if strategy == "ddp_tuned" else 0

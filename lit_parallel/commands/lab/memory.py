@@ -146,21 +146,14 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
     fig, (ax,) = figure(1, width=6.5)
     for i, name in enumerate(STRATEGIES):
         pts = [r for r in rows if r["strategy"] == name and r["measured_bytes"] != ""]
-        color = f"C{i}"
-        ax.plot(
-            [r["params"] for r in pts],
-            [r["measured_bytes"] / 1e6 for r in pts],
-            "o-",
-            color=color,
-            label=f"{name} measured",
-        )
-        ax.plot(
-            [r["params"] for r in pts],
-            [r["predicted_bytes"] / 1e6 for r in pts],
-            "x--",
-            color=color,
-            label=f"{name} predicted",
-        )
+        for what, style in (("measured", "o-"), ("predicted", "x--")):
+            ax.plot(
+                [r["params"] for r in pts],
+                [r[f"{what}_bytes"] / 1e6 for r in pts],
+                style,
+                color=f"C{i}",
+                label=f"{name} {what}",
+            )
     ax.set(
         title=f"peak memory per rank, 2 ranks, batch {BATCH} (AdamW, fp32)",
         xlabel="parameters",

@@ -213,9 +213,10 @@ def _strategy_peak(
     block_c = shape.largest_block * c / tp
     root_c = (shape.params - shape.block_params) * c
     if strategy in ("zero2", "fsdp_blocks", "hsdp"):
-        return _fsdp_peak(
+        moments = fsdp_moments(
             strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"]
         )
+        return max(moments, key=lambda m: m.total)
     gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
     if sharded:  # tp_dp: root kept gathered, one block in forward; in backward the next is prefetched too
         gathered = {"fw": (root_c + block_c, 0.0), "bw": (root_c + block_c, block_c)}
@@ -261,22 +262,6 @@ class _Fsdp:
     shard: int
     gloo: bool
     flat: float = 1.0
-
-
-def _fsdp_peak(
-    strategy: str,
-    sim: StepSimulation,
-    shape: ModelShape,
-    state: tuple,
-    *,
-    c: int,
-    opt_bytes: int,
-    shard: int,
-    gloo: bool,
-) -> Peak:
-    """The largest of :func:`fsdp_moments`."""
-    moments = fsdp_moments(strategy, sim, shape, state, c=c, opt_bytes=opt_bytes, shard=shard, gloo=gloo)
-    return max(moments, key=lambda m: m.total)
 
 
 def fsdp_moments(
