@@ -58,7 +58,7 @@ __all__ = [
     "TransformerFSDPStrategy",
     "TunedDDPStrategy",
     "__version__",
-    # callbacks (issue 5)
+    # callbacks
     "CrossRankMetrics",
     "ParallelTrainingError",
     "ParallelTrainingWarning",

@@ -53,9 +53,18 @@ def gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=WIDTH,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_inner=FFN,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -63,10 +72,15 @@ def bert() -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=FFN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=FFN,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+    )
     return BertForMaskedLM(config)
 
 
@@ -74,10 +88,18 @@ def t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(
-        vocab_size=VOCAB, d_model=WIDTH, d_kv=WIDTH // HEADS, d_ff=FFN, num_layers=LAYERS,
-        num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        d_model=WIDTH,
+        d_kv=WIDTH // HEADS,
+        d_ff=FFN,
+        num_layers=LAYERS,
+        num_decoder_layers=LAYERS,
+        num_heads=HEADS,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     return T5ForConditionalGeneration(config)
 
 
@@ -85,19 +107,32 @@ def vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(
-        image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=WIDTH, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, intermediate_size=FFN, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, num_labels=CLASSES,
-    )  # fmt: skip
+        image_size=IMAGE,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=WIDTH,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=FFN,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=CLASSES,
+    )
     return ViTForImageClassification(config)
 
 
 def _decoder_config(config_cls):
     return config_cls(
-        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=SEQ,
-        attention_dropout=0.0, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS // 2,
+        max_position_embeddings=SEQ,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
 
 
 def llama() -> nn.Module:
@@ -168,9 +203,14 @@ class ConvNet(nn.Module):
 
 def mlp() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-        nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES),
-    )  # fmt: skip
+        nn.Linear(FEATURES, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, CLASSES),
+    )
 
 
 class ResidualSequentialNet(nn.Module):
@@ -196,53 +236,98 @@ MODELS: dict[str, ConformanceModel] = {
     m.name: m
     for m in [
         ConformanceModel(
-            "gpt2", "HF GPT-2 (`GPT2LMHeadModel`: `Conv1D`, packed `c_attn`)", gpt2, "tokens",
-            r"^transformer\.h\.\d+\.", r"^transformer\.h\.\d+\.(attn|mlp)\.\w+\.weight$",
+            "gpt2",
+            "HF GPT-2 (`GPT2LMHeadModel`: `Conv1D`, packed `c_attn`)",
+            gpt2,
+            "tokens",
+            r"^transformer\.h\.\d+\.",
+            r"^transformer\.h\.\d+\.(attn|mlp)\.\w+\.weight$",
         ),
         ConformanceModel(
-            "bert", "HF BERT (`BertForMaskedLM`)", bert, "tokens",
-            r"^bert\.encoder\.layer\.\d+\.", r"^bert\.encoder\.layer\.\d+\..*(query|key|value|dense)\.weight$",
+            "bert",
+            "HF BERT (`BertForMaskedLM`)",
+            bert,
+            "tokens",
+            r"^bert\.encoder\.layer\.\d+\.",
+            r"^bert\.encoder\.layer\.\d+\..*(query|key|value|dense)\.weight$",
         ),
         ConformanceModel(
-            "t5", "HF T5 (`T5ForConditionalGeneration`: relative position bias, cross-attention)", t5,
-            "seq2seq", r"^(encoder|decoder)\.block\.\d+\.",
+            "t5",
+            "HF T5 (`T5ForConditionalGeneration`: relative position bias, cross-attention)",
+            t5,
+            "seq2seq",
+            r"^(encoder|decoder)\.block\.\d+\.",
             r"^(encoder|decoder)\.block\.\d+\.layer\.\d+\.\w+\.(q|k|v|o|wi|wo)\.weight$",
         ),
         ConformanceModel(
-            "vit", "HF ViT (`ViTForImageClassification`)", vit, "images",
-            r"^vit\.layers\.\d+\.", r"^vit\.layers\.\d+\.(attention|mlp)\.\w+\.weight$",
+            "vit",
+            "HF ViT (`ViTForImageClassification`)",
+            vit,
+            "images",
+            r"^vit\.layers\.\d+\.",
+            r"^vit\.layers\.\d+\.(attention|mlp)\.\w+\.weight$",
         ),
         ConformanceModel(
-            "llama", "HF Llama (`LlamaForCausalLM`, grouped KV heads)", llama, "tokens",
-            r"^model\.layers\.\d+\.", r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$",
+            "llama",
+            "HF Llama (`LlamaForCausalLM`, grouped KV heads)",
+            llama,
+            "tokens",
+            r"^model\.layers\.\d+\.",
+            r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$",
         ),
         ConformanceModel(
-            "qwen2", "HF Qwen2 (`Qwen2ForCausalLM`, grouped KV heads, q/k/v biases)", qwen2, "tokens",
-            r"^model\.layers\.\d+\.", r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$",
+            "qwen2",
+            "HF Qwen2 (`Qwen2ForCausalLM`, grouped KV heads, q/k/v biases)",
+            qwen2,
+            "tokens",
+            r"^model\.layers\.\d+\.",
+            r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$",
         ),
         # torch's attention may be converted to an equivalent module first: its names may change, so
         # every matrix inside a layer counts (norms are vectors)
         ConformanceModel(
-            "torch_encoder", "`nn.TransformerEncoder` (`nn.MultiheadAttention`, batch_first)",
-            TorchEncoderLM, "tokens", r"^encoder\.layers\.\d+\.", r"^encoder\.layers\.\d+\.",
+            "torch_encoder",
+            "`nn.TransformerEncoder` (`nn.MultiheadAttention`, batch_first)",
+            TorchEncoderLM,
+            "tokens",
+            r"^encoder\.layers\.\d+\.",
+            r"^encoder\.layers\.\d+\.",
         ),
         ConformanceModel(
-            "torch_decoder", "`nn.TransformerDecoder` (self- and cross-attention)", TorchDecoderLM,
-            "seq2seq", r"^decoder\.layers\.\d+\.", r"^decoder\.layers\.\d+\.",
+            "torch_decoder",
+            "`nn.TransformerDecoder` (self- and cross-attention)",
+            TorchDecoderLM,
+            "seq2seq",
+            r"^decoder\.layers\.\d+\.",
+            r"^decoder\.layers\.\d+\.",
         ),
         ConformanceModel(
-            "cnn", "CNN: `nn.Sequential` conv stages with BatchNorm (`SyncBatchNormConversion`)", ConvNet,
-            "images", r"^(stem|stages\.\d+)\.", "", sync_batchnorm=True,
+            "cnn",
+            "CNN: `nn.Sequential` conv stages with BatchNorm (`SyncBatchNormConversion`)",
+            ConvNet,
+            "images",
+            r"^(stem|stages\.\d+)\.",
+            "",
+            sync_batchnorm=True,
         ),
         ConformanceModel(
-            "mlp", "plain MLP (`nn.Sequential` of `Linear`/`Tanh`)", mlp, "features", r"^\d+\.", r"^\d+\.weight$"
+            "mlp",
+            "plain MLP (`nn.Sequential` of `Linear`/`Tanh`)",
+            mlp,
+            "features",
+            r"^\d+\.",
+            r"^\d+\.weight$",
         ),
         ConformanceModel(
-            "sequential_blocks", "residual blocks as a `nn.ModuleList` of `nn.Sequential`",
-            ResidualSequentialNet, "features", r"^blocks\.\d+\.", r"^blocks\.\d+\.\d+\.weight$",
+            "sequential_blocks",
+            "residual blocks as a `nn.ModuleList` of `nn.Sequential`",
+            ResidualSequentialNet,
+            "features",
+            r"^blocks\.\d+\.",
+            r"^blocks\.\d+\.\d+\.weight$",
         ),
     ]
-}  # fmt: skip
+}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:

@@ -91,9 +91,15 @@ _REFERENCES: dict = {}
 def _reference(model: str, dp: int) -> list[float]:
     if (model, dp) not in _REFERENCES:
         ref = reference_training(
-            build(model), dataset(model), loss_fn(model), world_size=dp, per_rank_batch=sc.PER_RANK_BATCH,
-            max_steps=sc.STEPS, lr=sc.LR, accumulate_grad_batches=sc.ACCUMULATE,
-        )  # fmt: skip
+            build(model),
+            dataset(model),
+            loss_fn(model),
+            world_size=dp,
+            per_rank_batch=sc.PER_RANK_BATCH,
+            max_steps=sc.STEPS,
+            lr=sc.LR,
+            accumulate_grad_batches=sc.ACCUMULATE,
+        )
         _REFERENCES[(model, dp)] = ref["losses"]
     return _REFERENCES[(model, dp)]
 

@@ -91,9 +91,8 @@ def import_graph() -> dict[str, set[str]]:
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             names = _import_names(module, path, node)
-            if isinstance(
-                node, ast.ImportFrom
-            ):  # `from pkg import a`: the submodule a if it is one, else pkg
+            # `from pkg import a`: the submodule a if it is one, else pkg
+            if isinstance(node, ast.ImportFrom):
                 names = [n for n in names[:-1] if n in files] or names[-1:]
             for name in names:
                 while name and name not in files:

@@ -101,7 +101,13 @@ NOTES = """
   shapes a few seconds after the model's), the fixed cost came out 1-5 ms lower and the FSDP rows were
   predicted short in 33 and 29 of 36 (two runs on 12 models); timed between the steps, 18 and 21 of 36,
   median error 8.2 % and 8.7 % -> 4.2 % and 8.0 %, largest 26.9 % and 24.0 % -> 22.9 % and 16.5 %.
-  Lightning's overhead and the costs per tensor and per byte come from runs of their own, and their noise
+  Timed there as well (with `heavy`), the costs per tensor and per byte made the errors no smaller (5.5 %
+  and 6.6 %), so they stay the calibration's. `ddp_tuned` has no such timer: timed the same way
+  (`reference` and `buffered` in `DistributedDataParallel` and whole), the first all-reduce after the
+  model's step waited for the other rank to finish that step, and the fixed cost came out 1.3-12 ms where
+  the calibration says about 1 ms (14 models: median error 8.3 % -> 15.8 %, every row over); with a
+  barrier before each timed step it matched the calibration within 0.3 ms (5 models), so its costs stay
+  the calibration's. Lightning's overhead and the costs per tensor and per byte come from runs of their own, and their noise
   is what is left: a strategy's cost is a difference of two steps, each of which moves by 1-2 ms between
   runs under FSDP2, and whole launches of `bert` measured its ZeRO-2 step at 28 ms in one run and 43 ms
   in the next.

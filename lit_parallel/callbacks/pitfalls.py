@@ -81,9 +81,9 @@ class PitfallReport(Callback):
         data_wait_limit: share of step time waiting for data above which loading is the bottleneck.
         comm_share_limit: share of step time waiting on communication above which it is reported.
         straggler_limit: a rank whose own compute per step exceeds the median of the others by this
-            factor is a straggler. 1.4 leaves room for the jitter of ranks sharing a host's cores (a
-            healthy 2-rank run on a busy 2-core machine measured 1.3x) and is close to the relative
-            performance of 0.7 at which NVIDIA's resiliency extension reports a straggler.
+            factor is a straggler. 1.4 leaves room for the jitter of ranks sharing a host's cores and is
+            close to the relative performance of 0.7 at which NVIDIA's resiliency extension reports a
+            straggler.
         warmup_from_scale: learning-rate scale factor from which a warm-up is expected.
         probe_augmentation: read ``dataset[0]`` twice (random state restored) to learn whether the
             dataset draws random numbers.

@@ -14,6 +14,8 @@ import time
 import warnings
 from typing import Any
 
+from lit_parallel.commands.launch import add_worker_arguments
+
 STRATEGIES = ("ddp_tuned", "fsdp_blocks", "auto_parallel")
 
 
@@ -28,8 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ddp_tuned (default), fsdp_blocks or auto_parallel (decides by the advisor's rules)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

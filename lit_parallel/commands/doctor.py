@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from lit_parallel.commands.launch import add_worker_arguments
 from lit_parallel.measure.collectives import bus_bandwidth
 
 SIZES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024, 32 * 1024 * 1024)
@@ -53,8 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before the live checks give up")
     p.add_argument("--repeats", type=int, default=5, help="timed all-reduces per size (median)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

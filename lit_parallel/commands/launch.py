@@ -7,6 +7,7 @@ rank (torchrun's agent stops the others) and the parent raises with the exit cod
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -14,7 +15,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def free_port() -> int:
@@ -64,8 +68,30 @@ def run_ranks(
         return json.loads(result.read_text())
 
 
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments :func:`run_ranks` gives every rank, ``--worker`` and ``--result FILE`` (left out of
+    ``--help``)."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+
+
 def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> None:
     """Rank 0 writes its result for :func:`run_ranks` (atomically: temp file, then rename)."""
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(path)
+
+
+def init_ranks(accelerator: str = "cpu") -> torch.device:
+    """In a rank :func:`run_ranks` started: join the process group torchrun set up (NCCL for ``"gpu"``, gloo
+    otherwise; one already joined is kept) and return this rank's device (``gpu``: made current)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if accelerator == "gpu" else "gloo")
+    if accelerator != "gpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    return device

@@ -41,7 +41,7 @@ from lit_parallel._compat import TorchDispatchMode, storage_key, tree_flatten
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank stores); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
@@ -109,16 +109,15 @@ class LiveMemory(TorchDispatchMode):
     # --- what is live -------------------------------------------------------------------------------
 
     def _add(self, t: torch.Tensor) -> int | None:
-        t = _local(t)
+        t = local_tensor(t)
         if t.device.type == "meta" and not self.meta:
             return None
         storage = t.untyped_storage()
         key = storage_key(t)
         if key in self.live:
             alloc = self.live[key]
-            if (
-                self.exact and storage.nbytes() != self.sizes[alloc]
-            ):  # resized in place since (FSDP2's gather)
+            # resized in place since (FSDP2's gather)
+            if self.exact and storage.nbytes() != self.sizes[alloc]:
                 self.current += storage.nbytes() - self.sizes[alloc]
                 self.sizes[alloc] = storage.nbytes()
                 self._check_peak()
@@ -197,7 +196,7 @@ class LiveMemory(TorchDispatchMode):
 
     def kind_of(self, t: torch.Tensor) -> str | None:
         """The category ``t``'s storage is counted in now; ``None`` when it is not counted."""
-        alloc = self.live.get(storage_key(_local(t)))
+        alloc = self.live.get(storage_key(local_tensor(t)))
         return None if alloc is None else self.kinds.get(alloc, "temporaries")
 
     def reset_peak(self) -> None:
@@ -243,7 +242,7 @@ class LiveMemory(TorchDispatchMode):
             self.kinds[alloc] = kind
 
     def _label(self, t: torch.Tensor, kind: str) -> None:
-        alloc = self.live.get(storage_key(_local(t)))
+        alloc = self.live.get(storage_key(local_tensor(t)))
         if alloc is not None and (kind != "grads" or alloc not in self.kinds):
             self.kinds[alloc] = kind
 

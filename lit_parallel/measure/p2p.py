@@ -23,10 +23,6 @@ class P2PRecord:
 
     sends: list[tuple[int, int, str]] = field(default_factory=list)
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(n for _, n, _ in self.sends)
-
 
 @contextmanager
 def count_p2p() -> Iterator[P2PRecord]:

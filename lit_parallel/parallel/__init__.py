@@ -1,10 +1,13 @@
-"""Pure PyTorch building blocks (no Lightning import): usable without a Trainer."""
+"""Pure PyTorch building blocks (no Lightning import): usable without a Trainer.
 
-# blocks, fsdp, mesh, memory: FSDP2 per transformer block (issue 3); buckets, comm, ddp: DDP (issue 2)
+Sizes and meshes (``ParallelDims``), transformer blocks, FSDP2 per block, DDP buckets and comm hooks,
+tensor parallelism inside blocks (plan inference, per-family plan providers, application), per-rank memory
+and communication volume, and the measurements of collectives and the waits on them (``PitfallReport``'s
+exposed communication).
+"""
+
 from lit_parallel.formatting import divisors, format_bytes, format_choices
 from lit_parallel.measure.collectives import Collective, CollectiveStats, CommCounter, count_collectives
-
-# exposed communication under any strategy (PitfallReport, issue 5)
 from lit_parallel.measure.waits import CollectiveWaitTimer, Window, transfer_waits
 from lit_parallel.parallel.blocks import BlockPlan, NoBlocksFoundError, find_transformer_blocks
 from lit_parallel.parallel.ddp.buckets import (
@@ -58,8 +61,6 @@ from lit_parallel.parallel.tensor_parallel import (
     local_parameter_bytes,
     plan_from_spec,
 )
-
-# tensor parallelism inside blocks: plan inference and application (issue 4); per-family plan providers
 from lit_parallel.parallel.tensor_parallel.families import PLAN_PROVIDERS, PlanProvider
 
 __all__ = [

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lit_parallel.formatting import format_bytes
+from lit_parallel.measure.live_memory import local_tensor
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
@@ -97,14 +98,8 @@ def estimate_memory(
     )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 

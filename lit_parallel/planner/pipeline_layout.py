@@ -13,7 +13,7 @@ from torch import nn
 
 from lit_parallel.parallel.blocks import BlockPlan
 from lit_parallel.parallel.example_inputs import as_args, meta_example_input
-from lit_parallel.parallel.pipeline.plan import plan_pipeline
+from lit_parallel.parallel.pipeline.plan import PipelinePlan, plan_pipeline
 
 PREDICTED_SCHEDULES = ("1F1B", "GPipe")
 
@@ -60,11 +60,12 @@ def pipeline_layout(
     return PipelineLayout(p, m, world // p, schedule, batch_size // m)
 
 
-def pipeline_plan(module: nn.Module, block_names: list[str], layout: PipelineLayout) -> Any:
+def pipeline_plan(module: nn.Module, block_names: list[str], layout: PipelineLayout) -> PipelinePlan:
     """The strategy's stages for ``layout`` (:func:`~lit_parallel.parallel.pipeline.plan.plan_pipeline`)."""
     blocks = BlockPlan([(n, module.get_submodule(n)) for n in block_names], (), 0)
-    return plan_pipeline(module, blocks, pp_size=layout.stages, schedule=layout.schedule,
-                         microbatches=layout.microbatches)  # fmt: skip
+    return plan_pipeline(
+        module, blocks, pp_size=layout.stages, schedule=layout.schedule, microbatches=layout.microbatches
+    )
 
 
 def micro_batch_args(module: nn.Module, micro_batch: int, seq_len: int | None, example_inputs: Any) -> tuple:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class PrecisionBytes:
@@ -31,6 +33,12 @@ class PrecisionBytes:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of :attr:`compute`'s size that simulated steps run in (fp16 flags as ``bfloat16``: the
+        same bytes)."""
+        return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[self.compute]
 
 
 PRECISIONS: dict[str, PrecisionBytes] = {
@@ -64,3 +72,8 @@ def canonical_precision(precision: str | int) -> str:
 def precision_bytes(precision: str | int) -> PrecisionBytes:
     """The accounting for a Lightning precision flag (``"bf16-mixed"``, ``"32-true"``, ``"bf16"``, ...)."""
     return PRECISIONS[canonical_precision(precision)]
+
+
+def compute_dtype(precision: str | int) -> torch.dtype:
+    """The dtype a step under a Lightning precision flag is simulated in (:attr:`PrecisionBytes.compute_dtype`)."""
+    return precision_bytes(precision).compute_dtype

@@ -33,11 +33,11 @@ from torch import nn
 from lit_parallel.formatting import GB, format_bytes
 from lit_parallel.parallel.pipeline.plan import bubble_fraction
 from lit_parallel.planner.activations import ActivationEstimate, estimate_activations
-from lit_parallel.planner.memory.table import MemoryRow, memory_rows, memory_table
+from lit_parallel.planner.memory.table import MemoryRow, StateRow, memory_rows, memory_table
 from lit_parallel.planner.model_summary import ModelSummary, build_on_meta, load_model_class, summarize_model
 from lit_parallel.planner.precision import PRECISIONS, PrecisionBytes, canonical_precision, precision_bytes
 
-# the names this module has always offered, now defined where they belong
+# the advisor, and the summary, precision and memory-table names its answers are made of
 __all__ = [
     "GB",
     "PRECISIONS",
@@ -49,6 +49,7 @@ __all__ = [
     "ModelSummary",
     "PrecisionBytes",
     "Rule",
+    "StateRow",
     "advise",
     "build_on_meta",
     "device_memory_bytes",

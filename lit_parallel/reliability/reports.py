@@ -126,9 +126,8 @@ def _first_line(exception: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         parts = []
         for rank, failure in sorted(failures.items()):
-            inner = (
-                failure[0] if isinstance(failure, tuple) and failure else failure
-            )  # (exception, traceback)
+            # a failure is (exception, traceback)
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
             parts.append(
                 f"rank {rank}: {type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
             )

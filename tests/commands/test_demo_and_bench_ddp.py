@@ -42,9 +42,22 @@ def test_demo_trains_digits_on_two_ranks_and_reports_its_choices():
 def test_bench_ddp_reports_all_variants_and_exact_bytes(tmp_path):
     path = tmp_path / "bench.json"
     res = _cli(
-        "bench", "ddp", "--width", "64", "--depth", "3", "--steps", "3", "--warmup", "1", "--repeats", "1",
-        "--json", str(path), timeout=200,
-    )  # fmt: skip
+        "bench",
+        "ddp",
+        "--width",
+        "64",
+        "--depth",
+        "3",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--json",
+        str(path),
+        timeout=200,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads(path.read_text())
     width, depth = 64, 3

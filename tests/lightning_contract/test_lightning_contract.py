@@ -1,5 +1,5 @@
 """Lightning's own strategy, checkpointing and restore tests pass with our strategies as they do with
-Lightning's, except the allow-listed, documented differences (issue 16). The wider selection runs with
+Lightning's, except the allow-listed, documented differences. The wider selection runs with
 ``make contract``. Skipped, with the reason, where Lightning's test sources are not available."""
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ def test_encoder_decoder_has_two_block_kinds():
 
 
 def test_model_without_repeated_blocks_is_split_into_size_based_groups():
-    # issue 12: "auto" no longer refuses a model without repeated blocks (it used to raise
-    # NoBlocksFoundError); it shards size-based groups, and the reason and the fix are in the description.
+    # "auto" shards a model without repeated blocks in size-based groups, and the reason and the fix are in
+    # the description.
     m = PlainMLP()  # net = Sequential(Linear(16, 32), ReLU, Linear(32, 32), ReLU); out = Linear(32, 4)
     plan = find_transformer_blocks(m)
     total = 16 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4
@@ -219,7 +219,7 @@ def test_block_types_naming_no_module_lists_the_classes_present():
 
 
 def test_blocks_holding_too_few_parameters_fall_back_to_size_groups_under_min_fraction():
-    # issue 12: used to raise NoBlocksFoundError; now the model is sharded in size-based groups
+    # blocks holding less than min_fraction of the parameters: the model is sharded in size-based groups
     m = GPT()
     plan = find_transformer_blocks(m, min_fraction=0.9)
     assert plan.how == "size" and plan.group_threshold == -(-num_params(m) // 8)

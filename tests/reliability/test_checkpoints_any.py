@@ -1,4 +1,4 @@
-"""Any checkpoint under any strategy and any number of ranks (issue 13 item 4).
+"""Any checkpoint under any strategy and any number of ranks.
 
 Two launches (torchrun): on 2 ranks six strategies train one epoch and save (ddp_tuned and Lightning's ``ddp``
 write one full file; fsdp_blocks, hsdp, tp_dp and Lightning's ModelParallelStrategy a sharded DCP folder),
@@ -90,9 +90,8 @@ def test_a_full_file_is_refused_under_tp_dp_with_fused_layers_naming_the_fix(tmp
     path = tmp_path / "full.ckpt"
     torch.save({"state_dict": {}, "optimizer_states": []}, path)
     strategy = lp.TensorParallelStrategy(tensor_parallel_size=2)
-    strategy.tp_plan = SimpleNamespace(
-        fused={"model.h.0.attn.c_attn": [32, 32, 32]}
-    )  # as apply_tp records it
+    # as apply_tp records it
+    strategy.tp_plan = SimpleNamespace(fused={"model.h.0.attn.c_attn": [32, 32, 32]})
     with pytest.raises(ValueError) as err:
         strategy.load_checkpoint(path)  # no process group: broadcast returns the path itself
     text = str(err.value)

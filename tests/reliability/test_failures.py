@@ -1,4 +1,4 @@
-"""Reliability on real gloo ranks (issue 7): failures, hangs, resume, preemption, integrity, resharding.
+"""Reliability on real gloo ranks: failures, hangs, resume, preemption, integrity, resharding.
 
 Eight launches: resume + preemption + refusals (torchrun, 2 ranks); hangs (torchrun, 2 ranks, the last
 case failing on purpose); recovery after failures (Lightning's launcher, 2 ranks); a rank raising during a

@@ -1,4 +1,4 @@
-"""Automatic recovery (issue 13 item 6): ``kill -9`` of a rank under ``torchrun --max-restarts``, for every
+"""Automatic recovery: ``kill -9`` of a rank under ``torchrun --max-restarts``, for every
 strategy, and ``auto_resume=True`` choosing the newest complete checkpoint.
 
 One launch: torchrun, 2 ranks, ``--max-restarts=5``, the strategies creating the process group themselves

@@ -1,5 +1,5 @@
-"""Stall reports, signals and what a strategy leaves behind after ``fit`` (issue 13 items 2-3, issue 16 item 4),
-on real gloo ranks.
+"""Stall reports, signals and what a strategy leaves behind after ``fit``, on real
+gloo ranks.
 
 Three launches, each failing on purpose at its end:
 

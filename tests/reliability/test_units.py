@@ -1,4 +1,4 @@
-"""Reliability without launching ranks (issue 7): configuration errors come before any process group or
+"""Reliability without launching ranks: configuration errors come before any process group or
 subprocess, RNG states survive ``weights_only`` loading, checkpoints are verified and never unpickle code."""
 
 from __future__ import annotations

@@ -87,8 +87,11 @@ def fsdp_cost_timer(ctx) -> dict:
                 model(*timer.input).square().mean().backward()
                 optimizer.step()
             counted.append(sum(e.name.startswith("gloo:") for e in prof.events()))
-        out[name] = {"costs": timer.costs(), "collectives": dict(zip(timer.shapes, counted, strict=True)),
-                     "left": timer.samples}  # fmt: skip
+        out[name] = {
+            "costs": timer.costs(),
+            "collectives": dict(zip(timer.shapes, counted, strict=True)),
+            "left": timer.samples,
+        }
     # made up, one sample (ms): sharded reference, thin, wide, then whole; rank 1's sharded reference is 1 ms
     # slower than rank 0's
     timer.samples = [[x * 1e-3 for x in (12 + dist.get_rank(), 30, 60, 1, 2, 7)]]

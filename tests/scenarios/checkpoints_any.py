@@ -1,4 +1,4 @@
-"""Scenarios for issue 13 item 4: any checkpoint under any strategy and any number of ranks.
+"""Scenarios: any checkpoint under any strategy and any number of ranks.
 
 Two launches. On 2 ranks, six strategies (ddp_tuned, Lightning's ddp, fsdp_blocks, hsdp, tp_dp and Lightning's
 ModelParallelStrategy with FSDP2 applied in ``configure_model``) each train the tiny Llama of the reliability

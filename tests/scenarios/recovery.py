@@ -1,4 +1,4 @@
-"""Scenarios for issue 13 item 6: automatic recovery under ``torchrun --max-restarts`` and ``auto_resume``.
+"""Scenarios: automatic recovery under ``torchrun --max-restarts`` and ``auto_resume``.
 
 One torchrun launch of 2 ranks with ``--max-restarts=5``; the strategies create the process group (as in a
 user's script). Every attempt runs the same program: for each strategy (ddp_tuned, fsdp_blocks, hsdp,

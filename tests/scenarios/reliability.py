@@ -1,4 +1,4 @@
-"""Scenarios for issue 7 (reliability), run on real gloo ranks by tests/reliability/test_failures.py*.py.
+"""Reliability scenarios, run on real gloo ranks by tests/reliability/test_failures.py*.py.
 
 Every strategy (ddp_tuned, fsdp_blocks, hsdp, tp_dp) trains the same tiny Llama (separate q/k/v and gate/up
 projections, so tensor-parallel layouts carry over to other strategies) with AdamW, dropout on the logits

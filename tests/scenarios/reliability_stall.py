@@ -1,4 +1,4 @@
-"""Scenarios for issue 13 items 2-3 and issue 16 item 4: stall reports, signals, and what a strategy leaves
+"""Scenarios: stall reports, signals, and what a strategy leaves
 behind after ``fit``. Run on real gloo ranks by tests/reliability/test_stall.py.
 
 Slow phases sleep :data:`SLOW_S`, more than twice :data:`STALL_S` (the ``stall_timeout`` of these runs), on

@@ -30,9 +30,13 @@ from lit_parallel.planner.time.step import PartsTimer, StepTime
 
 
 def error_rows(
-    strategy: str, predicted: Any, measured: Any, step_pred: dict[str, float | None], step_meas: float,
+    strategy: str,
+    predicted: Any,
+    measured: Any,
+    step_pred: dict[str, float | None],
+    step_meas: float,
     rounds: list[tuple[float, float]] | None = None,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """One row per figure: predicted, measured, relative error, within target; ``step_pred`` is
     :meth:`Prediction.step_s`'s split (the step row keeps it as ``parts``). ``rounds``: each round's
     predicted and measured step seconds (:func:`paired_step`): with more than one, they give the step row's
@@ -42,16 +46,34 @@ def error_rows(
         pv = predicted.total if cat == "total" else getattr(predicted, cat)
         mv = measured.total if cat == "total" else measured.by_category.get(cat, 0)
         err = abs(pv - mv) / mv if mv else (0.0 if pv == 0 else None)
-        rows.append({"strategy": strategy, "figure": f"peak {cat}", "predicted": pv, "measured": mv, "error": err,
-                     "ok": None if cat != "total" else err is not None and err <= MEMORY_TARGET})  # fmt: skip
+        rows.append(
+            {
+                "strategy": strategy,
+                "figure": f"peak {cat}",
+                "predicted": pv,
+                "measured": mv,
+                "error": err,
+                "ok": None if cat != "total" else err is not None and err <= MEMORY_TARGET,
+            }
+        )
     if step_pred["step_s"] is not None:
         if rounds and len(rounds) > 1 and all(p is not None for p, _ in rounds):
             step = paired_step(rounds)
         else:
-            step = {"predicted": step_pred["step_s"], "measured": step_meas,
-                    "error": abs(step_pred["step_s"] - step_meas) / step_meas}  # fmt: skip
-        rows.append({"strategy": strategy, "figure": "step time s", **step, "ok": step["error"] <= TIME_TARGET,
-                     "parts": step_pred})  # fmt: skip
+            step = {
+                "predicted": step_pred["step_s"],
+                "measured": step_meas,
+                "error": abs(step_pred["step_s"] - step_meas) / step_meas,
+            }
+        rows.append(
+            {
+                "strategy": strategy,
+                "figure": "step time s",
+                **step,
+                "ok": step["error"] <= TIME_TARGET,
+                "parts": step_pred,
+            }
+        )
     return rows
 
 
@@ -64,8 +86,12 @@ def paired_step(rounds: list[tuple[float, float]]) -> dict[str, Any]:
     import statistics
 
     signed = [p / m - 1 for p, m in rounds]
-    return {"predicted": statistics.median(p for p, _ in rounds), "measured": statistics.median(m for _, m in rounds),
-            "error": abs(statistics.median(signed)), "round_errors": signed}  # fmt: skip
+    return {
+        "predicted": statistics.median(p for p, _ in rounds),
+        "measured": statistics.median(m for _, m in rounds),
+        "error": abs(statistics.median(signed)),
+        "round_errors": signed,
+    }
 
 
 def launch_costs(res: dict[str, Any], ranks: int) -> dict[str, StrategyCost]:
@@ -95,26 +121,52 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
     torch.manual_seed(0)
     model = factory(**kwargs)
     given = shaped_input(args.input_shape)
-    ex = meta_example_input(model, batch_size=args.batch_size, seq_len=args.seq_len,
-                            given=given(args.batch_size or 1) if given else None)  # fmt: skip
-    one = predict(path, kwargs, precision="32-true", devices=1, nodes=1, batch_size=args.batch_size,
-                  seq_len=args.seq_len, device_type="cpu", step_time=False, busbw_gbps=None,
-                  input_shape=args.input_shape)  # fmt: skip
+    ex = meta_example_input(
+        model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        given=given(args.batch_size or 1) if given else None,
+    )
+    one = predict(
+        path,
+        kwargs,
+        precision="32-true",
+        devices=1,
+        nodes=1,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=None,
+        input_shape=args.input_shape,
+    )
     _, module, _, largest = meta_model(path, kwargs)
     unit = timing_unit(one, module, largest)
     timer = None
-    if unit is not False:
-        timer = PartsTimer(module, block_name=unit, batch_size=args.batch_size, seq_len=args.seq_len,
-                           example_inputs=given)  # fmt: skip
+    if unit is not None:
+        timer = PartsTimer(
+            module,
+            block_name=unit.block,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            example_inputs=given,
+        )
     peak, step_s, pairs = _one_process_rounds(one, model, real_inputs(ex.args, vocabulary(model)), timer)
     cluster: dict[str, Any] = {}
     rows = error_rows(
         "one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s, pairs
     )
     if args.verify_ranks > 1:
-        res = launch(path, json.dumps(kwargs) if kwargs else None, ranks=args.verify_ranks,
-                     batch_size=args.batch_size, seq_len=args.seq_len, grad_bytes=one.report.shape.trainable * 4,
-                     input_shape=args.input_shape, timing_unit=None if timer is None else (unit or ""))  # fmt: skip
+        res = launch(
+            path,
+            json.dumps(kwargs) if kwargs else None,
+            ranks=args.verify_ranks,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            grad_bytes=one.report.shape.trainable * 4,
+            input_shape=args.input_shape,
+            timing_unit=None if unit is None else (unit.block or ""),
+        )
         launched, cluster = launch_rows(path, kwargs, args, res, console)
         rows += launched
     return rows, cluster
@@ -133,10 +185,20 @@ def launch_rows(
     shard, replicas = hybrid_layout(n)  # hsdp runs as two replicas: that many nodes of shard ranks each
     preds = {}
     for name, devices, nodes in (("multi", n, 1), ("hsdp", shard, replicas)):
-        preds[name] = predict(path, kwargs, precision="32-true", devices=devices, nodes=nodes,
-                              batch_size=args.batch_size, seq_len=args.seq_len, device_type="cpu", step_time=False,
-                              busbw_gbps=res["busbw_gbps"], latency_s=res["latency_s"],
-                              input_shape=args.input_shape)  # fmt: skip
+        preds[name] = predict(
+            path,
+            kwargs,
+            precision="32-true",
+            devices=devices,
+            nodes=nodes,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            device_type="cpu",
+            step_time=False,
+            busbw_gbps=res["busbw_gbps"],
+            latency_s=res["latency_s"],
+            input_shape=args.input_shape,
+        )
     measured = {}  # what the launch measured of each strategy it predicts
     for strategy, got in res.items():
         if strategy in ("busbw_gbps", "latency_s", "calibration", "alone", "rounds"):
@@ -154,10 +216,20 @@ def launch_rows(
         label = f"hsdp {replicas}x{shard}" if strategy == "hsdp" else f"{strategy} x{n}"
         peak = preds.get(strategy, preds["multi"]).report.peaks[strategy]
         pairs = [(s[strategy]["step_s"], r[strategy]["step_s"]) for s, r in by_round if strategy in s]
-        rows += error_rows(label, peak, max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total),
-                           whole[strategy], got["step_s"], pairs)  # fmt: skip
-    cluster = {"ranks": n, "busbw_gbps": res["busbw_gbps"], "latency_s": res["latency_s"],
-               "strategy_costs": {k: c.as_dict() for k, c in costs.items()}}  # fmt: skip
+        rows += error_rows(
+            label,
+            peak,
+            max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total),
+            whole[strategy],
+            got["step_s"],
+            pairs,
+        )
+    cluster = {
+        "ranks": n,
+        "busbw_gbps": res["busbw_gbps"],
+        "latency_s": res["latency_s"],
+        "strategy_costs": {k: c.as_dict() for k, c in costs.items()},
+    }
     return rows, cluster
 
 
@@ -176,8 +248,12 @@ def _predicted_steps(
     for strategy in strategies:
         if strategy in figures:
             timing = figures[strategy].get("timing")
-            pred = replace(preds.get(strategy, preds["multi"]), overhead_s=figures["alone"]["overhead_s"],
-                           costs=costs, timing=StepTime(**timing) if timing else None)  # fmt: skip
+            pred = replace(
+                preds.get(strategy, preds["multi"]),
+                overhead_s=figures["alone"]["overhead_s"],
+                costs=costs,
+                timing=StepTime(**timing) if timing else None,
+            )
             out[strategy] = pred.step_s(strategy)
     return out
 
@@ -214,8 +290,10 @@ def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer:
 def print_verification(rows: list[dict], console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title=f"predicted vs measured on this machine (targets: peak within {MEMORY_TARGET:.0%}, "
-                        f"step time within {TIME_TARGET:.0%})")  # fmt: skip
+    table = Table(
+        title=f"predicted vs measured on this machine (targets: peak within {MEMORY_TARGET:.0%}, "
+        f"step time within {TIME_TARGET:.0%})"
+    )
     for col in (
         "strategy",
         "figure",
@@ -253,5 +331,7 @@ def print_cluster(cluster: dict[str, Any], console: Any) -> None:
         + (f" + {c['buffers_s'] * 1e3:.2f} ms with buffers" if c.get("buffers_s") else "")
         for name, c in cluster["strategy_costs"].items()
     )
-    console.print(f"measured on {cluster['ranks']} ranks: all-reduce {cluster['busbw_gbps']:.3g} GB/s bus bandwidth,"
-                  f" {cluster['latency_s'] * 1e6:.0f} us latency; what each strategy adds to a step: {costs}")  # fmt: skip
+    console.print(
+        f"measured on {cluster['ranks']} ranks: all-reduce {cluster['busbw_gbps']:.3g} GB/s bus bandwidth,"
+        f" {cluster['latency_s'] * 1e6:.0f} us latency; what each strategy adds to a step: {costs}"
+    )

@@ -1,12 +1,11 @@
 """What a strategy adds to a step, timed between the steps it prices.
 
-On CPU ranks each collective of a sharded or tensor-parallel step costs a few milliseconds of scheduling
-(both ranks must be running at once), and how many depends on what else the machine runs at that moment:
-two launches of Hugging Face's Qwen2 a few minutes apart measured its ``tp_dp`` step at 45 and 63 ms, and
-the ``paired`` calibration shape (:mod:`~lit_parallel.planner.time.calibration`) next to it at 35 and 43 ms.
-Timed seconds apart, the two see different machines. So ``advise --verify`` times calibration shapes,
-parallelized as the strategy does it (plain PyTorch, no Trainer), once after each of the model's own
-measured steps, and prices the step with what it measured there:
+On CPU ranks each collective of a sharded or tensor-parallel step costs milliseconds of scheduling (both
+ranks must be running at once), and how many depends on what else the machine runs at that moment: timed
+seconds apart, a model's step and the calibration shapes (:mod:`~lit_parallel.planner.time.calibration`)
+see different machines. So ``advise --verify`` times calibration shapes, parallelized as the strategy does
+it (plain PyTorch, no Trainer), once after each of the model's own measured steps, and prices the step with
+what it measured there:
 
 * :class:`AllReduceTimer` (``tp_dp``): a forward + backward of ``paired`` and ``thin`` split by the
   automatic plan; ``paired`` has 12 all-reduces (and the DTensor work around its split layers), ``thin``
@@ -14,30 +13,28 @@ measured steps, and prices the step with what it measured there:
 * :class:`FSDPCostTimer` (ZeRO-2, ``fsdp_blocks``, ``hsdp``): a training step of ``reference``, ``thin`` and
   ``wide`` sharded per block with the strategy's mesh and resharding, and of each whole: what sharding adds
   to each shape gives the fixed cost and the cost per FSDP group, as the calibration fits them from Trainer
-  runs. Fitted from the calibration runs (Trainer steps of the shapes a few seconds after the model's), the
-  fixed cost came out 1-5 ms lower and the FSDP rows of ``docs/advise-accuracy.md`` were predicted short
-  in 33 and 29 of 36 (two runs, 12 models); timed here, 18 and 21 of 36, median error 8.2 % and 8.7 % ->
-  4.2 % and 8.0 %, largest 26.9 % and 24.0 % -> 22.9 % and 16.5 %. The costs per tensor and per byte stay
-  the calibration's: timed here as well (with ``heavy``), the errors were no smaller (5.5 % and 6.6 %).
+  runs. The costs per tensor and per byte stay the calibration's.
 
-``ddp_tuned`` has no timer here: its costs stay the calibration's. Timed the same way (``reference`` and
-``buffered`` in ``DistributedDataParallel`` and whole), the first all-reduce after the model's step waited
-for the other rank to finish that step, and the fixed cost came out 1.3-12 ms where the calibration says
-about 1 ms (14 models: median error 8.3 % -> 15.8 %, every row over); with a barrier before each timed step
-it matched the calibration within 0.3 ms (5 models), so timing it adds nothing. (The FSDP shapes' first
-collective waits in the same way; an FSDP step synchronises its ranks at every group, and the timed figures
-predict its steps better.)
+``ddp_tuned`` has no timer here: its costs stay the calibration's. Timed between the model's steps, its
+first all-reduce waits for the other rank to finish the model's step, and that wait would count as its
+fixed cost; with a barrier before each timed step it is the calibration's, so timing it adds nothing. (The
+FSDP shapes' first collective waits in the same way; an FSDP step synchronises its ranks at every group,
+and the timed figures predict its steps better.) What each choice did to the errors:
+``docs/advise-accuracy.md`` (Noise).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lit_parallel.planner.time.step import typical_seconds
+
+if TYPE_CHECKING:
+    from lit_parallel.parallel.mesh import ParallelDims
 
 
 def _shape(name: str) -> nn.Module:
@@ -113,7 +110,7 @@ class FSDPCostTimer:
 
     shapes = ("reference", "thin", "wide")
 
-    def __init__(self, dims: Any, reshard_after_forward: bool) -> None:
+    def __init__(self, dims: ParallelDims, reshard_after_forward: bool) -> None:
         from lit_parallel.parallel.fsdp import apply_fsdp
         from lit_parallel.planner.time.calibration import calibration_input
 

@@ -28,25 +28,40 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from lit_parallel.commands.launch import add_worker_arguments
 from lit_parallel.measure.live_memory import CATEGORIES, MemoryPeak
 from lit_parallel.planner.pipeline_layout import pipeline_microbatches
 from lit_parallel.planner.time.step import StepTime, median_timing, typical_seconds
+
+if TYPE_CHECKING:
+    from lit_parallel.commands.advise.cost_timers import AllReduceTimer, FSDPCostTimer
+    from lit_parallel.planner.time.step import PartsTimer
 
 LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
 CALIBRATION_REPEATS = 24  # calibration steps: the costs are differences of them, noisier than either
 STEP_REPEATS = 12  # measured steps after the warm-up (their lower quartile is the step time)
 # the launch (and one process) measures everything this many times, interleaved; each round's prediction is
-# compared with that round's steps, and figures are medians over the rounds. On 8 models (41 step rows) the
-# median round of 3 missed the 25 % target in 6 of 410 triples of rounds, the median of 5 in none
+# compared with that round's steps, and figures are medians over the rounds (why 5: docs/advise-accuracy.md)
 ROUNDS = 5
 # what a launcher tells a rank: hidden while a rank runs a one-process Trainer (Lightning would join the launch)
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @dataclass
@@ -114,9 +129,16 @@ def _probe(track_batch: int, live_from_start: Any = None, between: Any = None):
 
 
 def measure_step(
-    model: nn.Module, inputs: tuple, *, strategy: Any = "auto", devices: int = 1, repeats: int = STEP_REPEATS,
-    module: Any = None, live_from_start: Any = None, between: Any = None,
-):  # fmt: skip
+    model: nn.Module,
+    inputs: tuple,
+    *,
+    strategy: Any = "auto",
+    devices: int = 1,
+    repeats: int = STEP_REPEATS,
+    module: Any = None,
+    live_from_start: Any = None,
+    between: Any = None,
+):
     """Train ``model`` for ``4 + repeats`` steps on ``inputs``; the fourth step's peak and the lower quartile
     of the ``repeats`` after it. Returns ``(peak, seconds)``. ``module``: the LightningModule to fit around
     ``model`` (default: forward, the planner's loss, AdamW). ``live_from_start(trainer, batch)``: tensors
@@ -208,7 +230,7 @@ def strategy_object(name: str, ranks: int = 2):
     return lp.TunedDDPStrategy()
 
 
-def between_step_timer(name: str, ranks: int) -> Any:
+def between_step_timer(name: str, ranks: int) -> AllReduceTimer | FSDPCostTimer | None:
     """The :mod:`~lit_parallel.commands.advise.cost_timers` timer of the strategy ``name`` as a launch of ``ranks``
     verifies it (:func:`strategy_object`); ``None`` for ``ddp_tuned`` and ``pp_dp``. Every rank builds it at
     once: it makes process groups."""
@@ -239,7 +261,7 @@ def worker(args: argparse.Namespace) -> int:
     """In every rank: each strategy in turn on the same model and input; rank 0 writes the results."""
     import torch.distributed as dist
 
-    from lit_parallel.commands.launch import write_result
+    from lit_parallel.commands.launch import init_ranks, write_result
     from lit_parallel.measure.collectives import bus_bandwidth
     from lit_parallel.planner.model_summary import load_model_class
 
@@ -247,8 +269,7 @@ def worker(args: argparse.Namespace) -> int:
     kwargs = __import__("json").loads(args.model_kwargs or "{}")
     results: dict[str, Any] = {}
     names = args.strategies.split(",")
-    if not dist.is_initialized():  # the Trainers below use it as it is; the bandwidth measurement needs it
-        dist.init_process_group("gloo")
+    init_ranks()  # the Trainers below use the process group as it is; the bandwidth measurement needs it
     plain = [n for n in names if n != "pp_dp"]
     timer = worker_timer(args, kwargs)
     # what each strategy adds (tp_dp: per all-reduce; FSDP: fixed and per group), timed between its steps as
@@ -290,7 +311,7 @@ def _input_shape(args: argparse.Namespace) -> tuple[int, ...] | None:
     return tuple(int(x) for x in args.input_shape.split(",")) if args.input_shape else None
 
 
-def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
+def worker_timer(args: argparse.Namespace, kwargs: dict) -> PartsTimer | None:
     """The :class:`~lit_parallel.planner.time.step.PartsTimer` of the unit `advise` timed
     (``--timing-unit``: a block's name, empty for the whole model); ``None`` without one."""
     if args.timing_unit is None:
@@ -302,13 +323,23 @@ def worker_timer(args: argparse.Namespace, kwargs: dict) -> Any:
     shape = _input_shape(args)
     # pp_dp's micro-batch, as advise predicts it (the launch's ranks are its stages)
     m = pipeline_microbatches(args.batch_size, args.devices) if args.batch_size else None
-    return PartsTimer(module, block_name=args.timing_unit or None, batch_size=args.batch_size,
-                      seq_len=args.seq_len, example_inputs=shaped_input(shape),
-                      low_batch=args.batch_size // m if m else None)  # fmt: skip
+    return PartsTimer(
+        module,
+        block_name=args.timing_unit or None,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        example_inputs=shaped_input(shape),
+        low_batch=args.batch_size // m if m else None,
+    )
 
 
 def _measure_strategy(
-    factory: Any, kwargs: dict, args: argparse.Namespace, name: str, timer: Any, cost: Any = None
+    factory: Any,
+    kwargs: dict,
+    args: argparse.Namespace,
+    name: str,
+    timer: PartsTimer | None,
+    cost: AllReduceTimer | FSDPCostTimer | None = None,
 ) -> dict[str, Any]:
     """One strategy's measured step in this launch: every rank's peak, the step seconds and the parts
     ``timer`` timed between the steps (``cost``, a timer of :mod:`~lit_parallel.commands.advise.cost_timers`: what
@@ -318,9 +349,14 @@ def _measure_strategy(
     model, inputs = _model_and_inputs(factory, kwargs, args)
     samplers = [t.sample for t in (timer, cost) if t is not None]
     try:
-        peak, step_s = measure_step(model, inputs, strategy=strategy_object(name, args.devices),
-                                    devices=args.devices, repeats=args.repeats,
-                                    between=(lambda: [f() for f in samplers]) if samplers else None)  # fmt: skip
+        peak, step_s = measure_step(
+            model,
+            inputs,
+            strategy=strategy_object(name, args.devices),
+            devices=args.devices,
+            repeats=args.repeats,
+            between=(lambda: [f() for f in samplers]) if samplers else None,
+        )
     except Exception as err:  # a strategy this model cannot run: reported, the others still measured
         parts_timing(timer)  # what it sampled before failing belongs to no row
         if cost is not None:
@@ -422,11 +458,21 @@ def _all_reduce_seconds(buf: torch.Tensor, repeats: int = 15) -> tuple[float, in
 
 
 def launch(
-    model: str, model_kwargs: str | None, *, ranks: int, batch_size: int | None, seq_len: int | None,
-    grad_bytes: int, repeats: int = STEP_REPEATS, timeout: float = 900,
-    input_shape: tuple[int, ...] | None = None, calibration_repeats: int = CALIBRATION_REPEATS,
-    timing_unit: str | None = None, rounds: int = ROUNDS, strategies: tuple[str, ...] = LAUNCH_STRATEGIES,
-) -> dict[str, Any]:  # fmt: skip
+    model: str,
+    model_kwargs: str | None,
+    *,
+    ranks: int,
+    batch_size: int | None,
+    seq_len: int | None,
+    grad_bytes: int,
+    repeats: int = STEP_REPEATS,
+    timeout: float = 900,
+    input_shape: tuple[int, ...] | None = None,
+    calibration_repeats: int = CALIBRATION_REPEATS,
+    timing_unit: str | None = None,
+    rounds: int = ROUNDS,
+    strategies: tuple[str, ...] = LAUNCH_STRATEGIES,
+) -> dict[str, Any]:
     """Start ``ranks`` processes (torchrun) that measure ``strategies`` (:data:`LAUNCH_STRATEGIES`, in that
     order); rank 0's results."""
     from lit_parallel.commands.launch import run_ranks
@@ -511,8 +557,16 @@ def measure_pipeline_step(
             f" which pp_dp with {devices} stages (1F1B) needs; use a batch size divisible by {devices}"
         )
     strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=devices, microbatches=m, schedule=schedule)
-    return measure_step(model, inputs, strategy=strategy, devices=devices, repeats=repeats or STEP_REPEATS,
-                        module=_pipeline_module(model), live_from_start=held_by_the_pipeline, between=between)  # fmt: skip
+    return measure_step(
+        model,
+        inputs,
+        strategy=strategy,
+        devices=devices,
+        repeats=repeats or STEP_REPEATS,
+        module=_pipeline_module(model),
+        live_from_start=held_by_the_pipeline,
+        between=between,
+    )
 
 
 def held_by_the_pipeline(trainer: Any, batch: Any) -> list[torch.Tensor]:
@@ -582,18 +636,24 @@ def combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, 
     between the steps; the peaks of the first round (memory does not drift)."""
     med = statistics.median
     alone = [r["alone"] for r in rounds]
-    out: dict[str, Any] = {"alone": {
-        "overhead_s": med(a["overhead_s"] for a in alone),
-        "one_process": {k: med(a["one_process"][k] for a in alone) for k in alone[0]["one_process"]},
-    }, "calibration": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "alone": {
+            "overhead_s": med(a["overhead_s"] for a in alone),
+            "one_process": {k: med(a["one_process"][k] for a in alone) for k in alone[0]["one_process"]},
+        },
+        "calibration": {},
+    }
     for name in plain:
         got = [r[name] for r in rounds if name in r]
         failed = [g for g in got if "error" in g]
         if failed:  # in any round (the later rounds skip it): the strategy is reported as failed
             out[name] = failed[0]
             continue
-        out[name] = {"peaks": got[0]["peaks"], "step_s": med(g["step_s"] for g in got),
-                     "timing": median_timing_dict([g.get("timing") for g in got])}  # fmt: skip
+        out[name] = {
+            "peaks": got[0]["peaks"],
+            "step_s": med(g["step_s"] for g in got),
+            "timing": median_timing_dict([g.get("timing") for g in got]),
+        }
         timed = [g.get("timed_costs") or {} for g in got]  # costs timed between its steps
         keys = {k for t in timed for k, v in t.items() if v is not None}
         if keys:
@@ -613,8 +673,7 @@ def median_timing_dict(timings: list[dict[str, Any] | None]) -> dict[str, Any] |
 
 def _worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.advise.measure")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--model")
     p.add_argument("--model-kwargs")
     p.add_argument("--devices", type=int)

@@ -11,16 +11,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from rich.markup import escape
 from torch import nn
 
 from lit_parallel.formatting import format_bytes
 from lit_parallel.measure.live_memory import CATEGORIES
+from lit_parallel.parallel.tensor_parallel.plan import TPPlan
 from lit_parallel.planner.memory.peak import LABELS, PeakReport
 from lit_parallel.planner.memory.predict import predict_peaks
 from lit_parallel.planner.model_summary import meta_model, shaped_input
+from lit_parallel.planner.precision import compute_dtype
 from lit_parallel.planner.time.calibration import StrategyCost
+from lit_parallel.planner.time.pipeline import StageWork
 from lit_parallel.planner.time.step import (
     StepTime,
     collectives_per_step,
@@ -49,7 +51,7 @@ class Prediction:
     costs: dict[str, StrategyCost] | None = None
     notes: list[str] = field(default_factory=list)
     buffers: bool = False  # the model has buffers (DDP broadcasts them every step)
-    stage_work: list[Any] | None = None  # pp_dp: each stage's share of the ops and FLOPs (pipeline_time.py)
+    stage_work: list[StageWork] | None = None  # pp_dp: each stage's share of the ops and FLOPs
     # tp_dp: the all-reduces of its automatic plan's step (a row-wise layer's output in forward, a column-wise
     # layer's input gradient in backward where its input needs one), and the share of the compute the plan
     # splits (of the parameters outside embeddings)
@@ -62,9 +64,7 @@ class Prediction:
         strategy (:mod:`~lit_parallel.planner.time.calibration`) communication is what it was measured to add
         per step, per FSDP group, per parameter tensor and per parameter byte (``hsdp`` and ``tp_dp``: the
         ``fsdp_blocks`` cost without its per-byte part, plus their own bytes over the bus bandwidth)."""
-        if (
-            strategy == "pp_dp"
-        ):  # the pipeline's bubble and stage boundaries: lit_parallel/commands/advise/measure.py
+        if strategy == "pp_dp":  # the pipeline's bubble and stage boundaries: :func:`pipeline_step_s`
             return pipeline_step_s(self)
         if self.timing is None:
             return {"compute_s": None, "optimizer_s": None, "comm_s": None, "step_s": None}
@@ -90,18 +90,27 @@ class Prediction:
             self.costs.get(strategy if own_cost else _COST_OF.get(strategy, strategy)) if self.costs else None
         )
         root = r.shape.params - r.shape.block_params
+
+        def sent(latency_s: float) -> float:  # the step's bytes at the bus bandwidth, latency_s per call
+            return comm_seconds(
+                strategy,
+                r.shape.params,
+                devices=r.devices,
+                nodes=r.nodes,
+                grad_bytes=grad,
+                busbw_gbps=self.busbw_gbps,
+                latency_s=latency_s,
+                groups=self.groups,
+                root_params=root,
+            )
+
         if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
-            return comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                                busbw_gbps=self.busbw_gbps, latency_s=self.latency_s, groups=self.groups,
-                                root_params=root)  # fmt: skip
+            return sent(self.latency_s)
         if not own_cost:  # priced with another strategy's cost: its own bytes at the bus bandwidth
-            sent = comm_seconds(strategy, r.shape.params, devices=r.devices, nodes=r.nodes, grad_bytes=grad,
-                                busbw_gbps=self.busbw_gbps, latency_s=0.0, groups=self.groups,
-                                root_params=root)  # fmt: skip
             calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
             more_calls = calls - collectives_per_step("fsdp_blocks", groups=self.groups, grad_bytes=grad)
             own = cost.seconds(self.groups, self.timing.tensors, cost.reference_bytes)  # no per-byte part
-            return sent + max(0, more_calls) * self.latency_s + own
+            return sent(0.0) + max(0, more_calls) * self.latency_s + own
         # measured for this strategy: the bytes are in its per-byte cost; DDP's extra buckets pay the latency
         calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
         more_calls = max(0, calls - 1) if strategy == "ddp_tuned" else 0
@@ -117,21 +126,34 @@ class Prediction:
         out = self.report.as_dict()
         for strategy, entry in out["peak"].items():
             entry["time"] = self.step_s(strategy)
-        out.update(model=self.model, overhead_s=self.overhead_s, busbw_gbps=self.busbw_gbps,
-                   latency_s=self.latency_s, notes=self.notes)  # fmt: skip
+        out.update(
+            model=self.model,
+            overhead_s=self.overhead_s,
+            busbw_gbps=self.busbw_gbps,
+            latency_s=self.latency_s,
+            notes=self.notes,
+        )
         if self.costs:
             out["strategy_costs"] = {name: cost.as_dict() for name, cost in self.costs.items()}
         if self.timing is not None:
             t = self.timing
-            out["block_timing"] = {"unit": t.block_description, "block_s": t.block_s, "op_s": t.op_s,
-                                   "flop_s": t.flop_s, "ops": t.ops, "flops": t.flops,
-                                   "optimizer_tensor_s": t.optimizer_tensor_s,
-                                   "optimizer_element_s": t.optimizer_element_s, "tensors": t.tensors,
-                                   "elements": t.elements, "fsdp_groups": self.groups}  # fmt: skip
+            out["block_timing"] = {
+                "unit": t.block_description,
+                "block_s": t.block_s,
+                "op_s": t.op_s,
+                "flop_s": t.flop_s,
+                "ops": t.ops,
+                "flops": t.flops,
+                "optimizer_tensor_s": t.optimizer_tensor_s,
+                "optimizer_element_s": t.optimizer_element_s,
+                "tensors": t.tensors,
+                "elements": t.elements,
+                "fsdp_groups": self.groups,
+            }
         return out
 
 
-def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, Any] | None, str]:
+def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, TPPlan] | None, str]:
     """``tp_dp``'s automatic plan for ``module`` (on meta) over ``tp`` ranks, with the copy of ``module`` it
     was inferred on (converted as tensor parallelism converts it: torch's ``nn.MultiheadAttention`` split
     into its projections; ``module`` is left as it is); or ``(None, why not)``."""
@@ -147,7 +169,7 @@ def tp_plan(module: nn.Module, tp: int) -> tuple[tuple[nn.Module, Any] | None, s
         return None, f"tp_dp: no tensor-parallel plan for {tp} ranks: {str(err).splitlines()[0]}"
 
 
-def _tp_plan_figures(module: nn.Module, plan: Any, given: Any, seq_len: int | None) -> tuple[int, float]:
+def _tp_plan_figures(module: nn.Module, plan: TPPlan, given: Any, seq_len: int | None) -> tuple[int, float]:
     """Of ``tp_dp``'s plan for ``module``: the all-reduces of its step (a row-wise layer's output in forward,
     a column-wise layer's input gradient in backward where its input needs one; counted in a forward on meta
     of one sample, ``given`` or made up as the memory simulation makes it) and the share of the parameters
@@ -162,41 +184,65 @@ def _tp_plan_figures(module: nn.Module, plan: Any, given: Any, seq_len: int | No
     return all_reduces_per_step(module, plan, args), share
 
 
-def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> str | None | bool:
-    """What `advise` times of ``module``: ``None`` for the whole model (it takes at most
-    :data:`STEP_TIME_BLOCK_LIMIT` of this machine's RAM; Python work between blocks included), else the
-    largest block's name; ``False`` when even that is too large to time here (a note in ``pred`` says so)."""
+@dataclass(frozen=True)
+class TimingUnit:
+    """The part of a model `advise` times to predict its step: a block (``block``: its qualified name) or,
+    with ``block`` ``None``, the whole model (Python work between blocks included)."""
+
+    block: str | None
+
+
+def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> TimingUnit | None:
+    """What `advise` times of ``module``: the whole model when it takes at most
+    :data:`STEP_TIME_BLOCK_LIMIT` of this machine's RAM, else its largest block (``largest``); ``None`` when
+    even that is too large to time here (a note in ``pred`` says so)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if pred.report.peaks["one_process"].total <= STEP_TIME_BLOCK_LIMIT * ram:
         largest = None
     unit = module.get_submodule(largest) if largest else module
     unit_bytes = sum(p.numel() for p in unit.parameters()) * 16
     if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
-        pred.notes.append(f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
-                          f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM")  # fmt: skip
-        return False
-    return largest
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    from lit_parallel.planner.precision import precision_bytes
-
-    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
+        pred.notes.append(
+            f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
+            f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM"
+        )
+        return None
+    return TimingUnit(largest)
 
 
 def predict(
-    path: str, kwargs: dict[str, Any], *, precision: str, devices: int, nodes: int, batch_size: int | None,
-    seq_len: int | None, device_type: str, step_time: bool, busbw_gbps: float | None, latency_s: float = 0.0,
-    input_shape: tuple[int, ...] | None = None, costs: dict[str, StrategyCost] | None = None,
-) -> Prediction:  # fmt: skip
+    path: str,
+    kwargs: dict[str, Any],
+    *,
+    precision: str,
+    devices: int,
+    nodes: int,
+    batch_size: int | None,
+    seq_len: int | None,
+    device_type: str,
+    step_time: bool,
+    busbw_gbps: float | None,
+    latency_s: float = 0.0,
+    input_shape: tuple[int, ...] | None = None,
+    costs: dict[str, StrategyCost] | None = None,
+) -> Prediction:
     """Peak memory of every strategy, and the step time when the model (or its largest block) can be timed
     here; ``costs``: what each strategy adds per step on the cluster (``advise --cluster``)."""
     name, module, names, largest = meta_model(path, kwargs)
     given = shaped_input(input_shape)
     tp, why = tp_plan(module, devices) if devices > 1 else (None, "")
-    report = predict_peaks(module, precision=precision, devices=devices, nodes=nodes, batch_size=batch_size,
-                           seq_len=seq_len, block_names=names, device_type=device_type,
-                           example_inputs=given(batch_size or 1) if given else None, tp_plan=tp)  # fmt: skip
+    report = predict_peaks(
+        module,
+        precision=precision,
+        devices=devices,
+        nodes=nodes,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        block_names=names,
+        device_type=device_type,
+        example_inputs=given(batch_size or 1) if given else None,
+        tp_plan=tp,
+    )
     pred = Prediction(
         name,
         report,
@@ -224,11 +270,18 @@ def predict(
     if not step_time:
         return pred
     unit = timing_unit(pred, module, largest)
-    if unit is False:
+    if unit is None:
         return pred
     low = report.pipeline.layout.micro_batch if report.pipeline is not None else None  # pp_dp's slots run it
-    pred.timing = predict_step_time(module, block_name=unit, dtype=compute_dtype(precision), batch_size=batch_size,
-                                    seq_len=seq_len, example_inputs=given, low_batch=low)  # fmt: skip
+    pred.timing = predict_step_time(
+        module,
+        block_name=unit.block,
+        dtype=compute_dtype(precision),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        example_inputs=given,
+        low_batch=low,
+    )
     from lit_parallel.commands.advise.measure import lightning_overhead
 
     pred.overhead_s = lightning_overhead()
@@ -239,7 +292,7 @@ def predict(
     return pred
 
 
-def pipeline_step_s(pred: Any) -> dict[str, float | None]:
+def pipeline_step_s(pred: Prediction) -> dict[str, float | None]:
     """``pp_dp``'s seconds of one step for an ``advise`` prediction (the shape of ``Prediction.step_s``):
     each stage's compute per micro-batch from its share of the ops and FLOPs
     (:mod:`~lit_parallel.planner.time.pipeline`), the schedule over them (the slowest stage busy, the others
@@ -248,7 +301,7 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     bookkeeping per slot (per FSDP group, parameter tensor and parameter byte of the largest stage),
     Lightning's per-step overhead. ``None`` entries: not predictable (no timing, no pipeline)."""
     from lit_parallel.planner.time.calibration import pipeline_slot_s
-    from lit_parallel.planner.time.pipeline import StageWork, transfer_seconds, uneven_pipeline_step
+    from lit_parallel.planner.time.pipeline import transfer_seconds, uneven_pipeline_step
     from lit_parallel.planner.time.step import comm_seconds
 
     pipe, t = pred.report.pipeline, pred.timing
@@ -275,9 +328,16 @@ def pipeline_step_s(pred: Any) -> dict[str, float | None]:
     comm = time.p2p_s + time.overhead_s  # transfers and the schedule's per-slot bookkeeping
     if pred.busbw_gbps and lay.data_parallel > 1:
         grad = 4 if pred.report.precision == "32-true" else 2
-        comm += comm_seconds("fsdp_blocks", round(share * pred.report.shape.params), devices=lay.data_parallel,
-                             nodes=1, grad_bytes=grad, busbw_gbps=pred.busbw_gbps, latency_s=pred.latency_s,
-                             groups=groups)  # fmt: skip
+        comm += comm_seconds(
+            "fsdp_blocks",
+            round(share * pred.report.shape.params),
+            devices=lay.data_parallel,
+            nodes=1,
+            grad_bytes=grad,
+            busbw_gbps=pred.busbw_gbps,
+            latency_s=pred.latency_s,
+            groups=groups,
+        )
     compute = time.compute_s + time.bubble_s
     return {
         "compute_s": compute,
@@ -292,28 +352,43 @@ def print_prediction(pred: Prediction, console: Any) -> None:
 
     r = pred.report
     b = lambda n: format_bytes(n, decimal=True)  # noqa: E731
-    console.print(f"[bold]peak memory per rank[/bold] of one training step (AdamW), micro-batch {r.batch_size} "
-                  f"({r.input_description}), {r.precision}; activations by precision (no AC / AC): "
-                  + ", ".join(f"{p} {b(v['off'])} / {b(v.get('on', v['off']))}" for p, v in r.activations.items()))  # fmt: skip
+    console.print(
+        f"[bold]peak memory per rank[/bold] of one training step (AdamW), micro-batch {r.batch_size} "
+        f"({r.input_description}), {r.precision}; activations by precision (no AC / AC): "
+        + ", ".join(f"{p} {b(v['off'])} / {b(v.get('on', v['off']))}" for p, v in r.activations.items())
+    )
     table = Table()
     for col in ("strategy", *CATEGORIES, "peak", "peak with AC", "at", "step time"):
         table.add_column(col, justify="left" if col in ("strategy", "at") else "right")
     for s, p in r.peaks.items():
         t = pred.step_s(s)["step_s"]
-        table.add_row(LABELS[s], *(b(getattr(p, c)) for c in CATEGORIES), b(p.total),
-                      b(r.peaks_checkpointed[s].total), p.phase + (f" ({p.moment})" if p.moment else ""), "-" if t is None else f"{t * 1e3:.1f} ms")  # fmt: skip
+        table.add_row(
+            LABELS[s],
+            *(b(getattr(p, c)) for c in CATEGORIES),
+            b(p.total),
+            b(r.peaks_checkpointed[s].total),
+            p.phase + (f" ({p.moment})" if p.moment else ""),
+            "-" if t is None else f"{t * 1e3:.1f} ms",
+        )
     console.print(table)
     if pred.timing is not None:
         t = pred.timing
-        console.print(f"step time: {t.block_description} timed here: {t.block_s * 1e3:.2f} ms forward + backward"
-                      f" -> {t.op_s * 1e6:.1f} us per op, {t.flop_s * 1e12:.1f} ps per FLOP; the step has {t.ops:,}"
-                      f" ops and {t.flops:.3g} FLOPs = {t.compute_s * 1e3:.2f} ms; AdamW {t.optimizer_s() * 1e3:.2f} ms;"
-                      f" Lightning's per-step overhead {pred.overhead_s * 1e3:.2f} ms"
-                      + (f"; collectives at {pred.busbw_gbps:g} GB/s, {pred.latency_s * 1e6:.0f} us each"
-                         if pred.busbw_gbps else ""))  # fmt: skip
+        console.print(
+            f"step time: {t.block_description} timed here: {t.block_s * 1e3:.2f} ms forward + backward"
+            f" -> {t.op_s * 1e6:.1f} us per op, {t.flop_s * 1e12:.1f} ps per FLOP; the step has {t.ops:,}"
+            f" ops and {t.flops:.3g} FLOPs = {t.compute_s * 1e3:.2f} ms; AdamW {t.optimizer_s() * 1e3:.2f} ms;"
+            f" Lightning's per-step overhead {pred.overhead_s * 1e3:.2f} ms"
+            + (
+                f"; collectives at {pred.busbw_gbps:g} GB/s, {pred.latency_s * 1e6:.0f} us each"
+                if pred.busbw_gbps
+                else ""
+            )
+        )
     if r.pipeline is not None:
-        console.print(f"pp_dp: {r.pipeline.layout.describe()}; the row is its largest stage (stage"
-                      f" {r.pipeline.off.stage}); bubble and stage boundary transfers are in its step time")  # fmt: skip
+        console.print(
+            f"pp_dp: {r.pipeline.layout.describe()}; the row is its largest stage (stage"
+            f" {r.pipeline.off.stage}); bubble and stage boundary transfers are in its step time"
+        )
     if r.checkpointing_note:
         console.print(f"[yellow]note[/yellow]: {escape(r.checkpointing_note)}")
     for note in [*r.notes, *pred.notes]:

@@ -27,6 +27,8 @@ import statistics
 import time
 from typing import Any
 
+from lit_parallel.commands.launch import add_worker_arguments
+
 VARIANTS = (
     "none",
     "SetEpochCheck",
@@ -56,8 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every variant (default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,8 +132,8 @@ def print_report(result: dict[str, Any]) -> None:
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from lit_parallel.commands.bench.common import init_ranks, rotated
-    from lit_parallel.commands.launch import write_result
+    from lit_parallel.commands.bench.common import rotated
+    from lit_parallel.commands.launch import init_ranks, write_result
 
     use_gpu = init_ranks(args.accelerator).type == "cuda"
     world = dist.get_world_size()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import lightning as L
 import torch
@@ -52,27 +52,27 @@ class StepProbe(L.Callback):
         return [b - a for a, b in zip(self.ends, self.ends[1:])]
 
 
-def init_ranks(accelerator: str) -> torch.device:
-    """The benchmark's process group (NCCL for ``"gpu"``, gloo for ``"cpu"``) and this rank's device."""
-    import os
-
-    import torch.distributed as dist
-
-    if accelerator == "gpu":
-        dist.init_process_group("nccl")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
-
-
 def rotated(variants: tuple[str, ...], repeats: int) -> Iterator[str]:
     """Every variant once per repeat, the order rotated from one repeat to the next, so drift on a busy
     machine hits all variants alike."""
     for rep in range(repeats):
         k = rep % len(variants)
         yield from variants[k:] + variants[:k]
+
+
+def time_variants(
+    variants: tuple[str, ...], repeats: int, warmup: int, run: Callable[[str], tuple[list[float], dict]]
+) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """Every variant ``repeats`` times in rotated order (:func:`rotated`); ``run(variant)`` trains once and
+    returns its step seconds and what it counted. Per variant: each repeat's median step after ``warmup``,
+    and what its first run counted."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    counted: dict[str, dict] = {}
+    for variant in rotated(variants, repeats):
+        step_times, info = run(variant)
+        times[variant].append(statistics.median(step_times[warmup:]))
+        counted.setdefault(variant, info)
+    return times, counted
 
 
 def token_dataset(vocab: int, seq: int, samples: int) -> torch.utils.data.TensorDataset:

@@ -14,6 +14,8 @@ import statistics
 import time
 from typing import Any
 
+from lit_parallel.commands.launch import add_worker_arguments
+
 VARIANTS = ("ddp_tuned", "lightning_ddp", "plain_ddp")
 
 
@@ -32,8 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=5, help="repeats of every variant (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +94,7 @@ def print_report(result: dict[str, Any]) -> None:
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from lit_parallel.commands.bench.common import init_ranks
-    from lit_parallel.commands.launch import write_result
+    from lit_parallel.commands.launch import init_ranks, write_result
 
     device = init_ranks(args.accelerator)
     use_gpu = device.type == "cuda"

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lit_parallel.commands.launch import add_worker_arguments
+
 SCHEDULES = ("GPipe", "1F1B")
 
 
@@ -33,8 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (default 2)")
     p.add_argument("--out", default="bench-pp", help="folder for the timeline and bubble plots")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,8 +117,8 @@ def print_report(result: dict[str, Any]) -> None:
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from lit_parallel.commands.bench.common import init_ranks, make_gpt
-    from lit_parallel.commands.launch import write_result
+    from lit_parallel.commands.bench.common import make_gpt
+    from lit_parallel.commands.launch import init_ranks, write_result
     from lit_parallel.parallel.pipeline.plan import bubble_fraction
 
     device = init_ranks(args.accelerator)

@@ -18,6 +18,8 @@ import argparse
 import statistics
 from typing import Any
 
+from lit_parallel.commands.launch import add_worker_arguments
+
 VARIANTS = ("tp_dp", "tp_dp_sp", "fsdp_blocks")
 
 
@@ -41,8 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per repeat, at least 2 (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of every variant (default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_arguments(p)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -135,19 +136,16 @@ def print_report(result: dict[str, Any]) -> None:
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from lit_parallel.commands.bench.common import init_ranks, make_gpt, rotated, token_dataset
-    from lit_parallel.commands.launch import write_result
+    from lit_parallel.commands.bench.common import make_gpt, time_variants, token_dataset
+    from lit_parallel.commands.launch import init_ranks, write_result
 
     use_gpu = init_ranks(args.accelerator).type == "cuda"
     backend = dist.get_backend()
     n = dist.get_world_size()
     data = token_dataset(args.vocab, args.seq, args.global_batch * (args.warmup + args.steps))
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    measured: dict[str, dict] = {}
-    for variant in rotated(VARIANTS, args.repeats):
-        step_times, info = _lightning_run(args, data, variant, use_gpu)
-        times[variant].append(statistics.median(step_times[args.warmup :]))
-        measured.setdefault(variant, info)
+    times, measured = time_variants(
+        VARIANTS, args.repeats, args.warmup, lambda variant: _lightning_run(args, data, variant, use_gpu)
+    )
     if dist.get_rank() == 0:
         med = {v: statistics.median(times[v]) for v in VARIANTS}
         write_result(

@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from lit_parallel.commands.lab.common import run_worker
+from lit_parallel.commands.launch import add_worker_arguments
 
 # the order the ranks run them in; scaling's part is its 2-rank run
 ORDER = ("set-epoch", "communication", "scaling", "memory", "unused-parameters")
@@ -29,8 +30,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.combined")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--experiments", default=",".join(ORDER))
     p.add_argument("--quick", action="store_true")
     return p

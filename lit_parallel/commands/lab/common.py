@@ -44,15 +44,6 @@ def accuracy(model: nn.Module, data: torch.utils.data.TensorDataset) -> float:
         return float((model(x).argmax(dim=1) == y).float().mean())
 
 
-def init_ranks() -> tuple[int, int]:
-    """Join the gloo process group torchrun set up; ``(rank, world size)``."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
 def launch(module: str, ranks: int, args: Iterable[str] = (), timeout: float = 600) -> dict[str, Any]:
     """Run ``python -m module --worker ...`` on ``ranks`` CPU processes; rank 0's JSON result."""
     from lit_parallel.commands.launch import run_ranks
@@ -117,12 +108,12 @@ def run_worker(compute: Callable[[Any], dict[str, Any]], args: Any) -> int:
     """The body of every experiment's ``--worker``: join the ranks, compute, rank 0 writes the result."""
     import torch.distributed as dist
 
-    from lit_parallel.commands.launch import write_result
+    from lit_parallel.commands.launch import init_ranks, write_result
 
     threads()
-    rank, _ = init_ranks()
+    init_ranks()
     result = compute(args)
-    if rank == 0:
+    if dist.get_rank() == 0:
         write_result(args.result, result)
     dist.barrier()
     return 0

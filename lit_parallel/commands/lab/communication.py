@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lit_parallel.commands.lab.common import FEATURES, figure, launch, mlp, run_worker, save, timed, write_csv
+from lit_parallel.commands.launch import add_worker_arguments
 
 HOOKS = ("none", "fp16")
 
@@ -71,8 +72,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.communication")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--batches", default="8,256")
     p.add_argument("--buckets", default="1,25")
     p.add_argument("--repeats", type=int, default=3)
@@ -99,8 +99,13 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
             label = f"bucket {bucket:g} MB, hook {hook}"
             ax_share.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
             ax_time.plot([p[0] for p in pts], [p[2] * 1e3 for p in pts], "o-", label=label)
-    ax_share.set(title=f"exposed communication ({res['params']:,} params, 2 ranks)", xlabel="batch per rank",
-                 ylabel="share of the step", xscale="log", ylim=(-0.05, 1.05))  # fmt: skip
+    ax_share.set(
+        title=f"exposed communication ({res['params']:,} params, 2 ranks)",
+        xlabel="batch per rank",
+        ylabel="share of the step",
+        xscale="log",
+        ylim=(-0.05, 1.05),
+    )
     ax_time.set(title="step time", xlabel="batch per rank", ylabel="ms", xscale="log")
     ax_share.legend(fontsize=7)
     files.append(save(fig, out / "communication.png"))

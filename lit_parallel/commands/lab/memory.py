@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lit_parallel.commands.lab.common import figure, launch, run_worker, save, write_csv
+from lit_parallel.commands.launch import add_worker_arguments
 from lit_parallel.measure.live_memory import CATEGORIES
 
 STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
@@ -92,8 +93,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.memory")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--widths", default="32,128")
     return p
 
@@ -104,8 +104,14 @@ def predicted(width: int) -> dict[str, float]:
     2 nodes of 1 device (its two replicas of one rank)."""
     from lit_parallel.commands.advise.report import predict
 
-    kw = {"precision": "32-true", "batch_size": BATCH, "seq_len": None, "device_type": "cpu", "step_time": False,
-          "busbw_gbps": None}  # fmt: skip
+    kw = {
+        "precision": "32-true",
+        "batch_size": BATCH,
+        "seq_len": None,
+        "device_type": "cpu",
+        "step_time": False,
+        "busbw_gbps": None,
+    }
     path, kwargs = "lit_parallel.commands.lab.memory:BlockMLP", {"width": width}
     peaks = {s: p.total for s, p in predict(path, kwargs, devices=2, nodes=1, **kw).report.peaks.items()}
     peaks["hsdp"] = predict(path, kwargs, devices=1, nodes=2, **kw).report.peaks["hsdp"].total
@@ -124,31 +130,37 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
     for r in res["rows"]:
         pred = predicted(r["width"])[r["strategy"]]
         meas = r.get("measured", {}).get("total")
-        rows.append({"width": r["width"], "params": sum(p.numel() for p in BlockMLP(r["width"]).parameters()),
-                     "strategy": r["strategy"], "predicted_bytes": pred, "measured_bytes": meas if meas else "",
-                     "error": abs(pred - meas) / meas if meas else "", "note": r.get("error", ""),
-                     **{f"measured_{k}": r.get("measured", {}).get(k, "") for k in CATEGORIES}})  # fmt: skip
+        rows.append(
+            {
+                "width": r["width"],
+                "params": sum(p.numel() for p in BlockMLP(r["width"]).parameters()),
+                "strategy": r["strategy"],
+                "predicted_bytes": pred,
+                "measured_bytes": meas if meas else "",
+                "error": abs(pred - meas) / meas if meas else "",
+                "note": r.get("error", ""),
+                **{f"measured_{k}": r.get("measured", {}).get(k, "") for k in CATEGORIES},
+            }
+        )
     files = [write_csv(out / "memory.csv", rows)]
     fig, (ax,) = figure(1, width=6.5)
     for i, name in enumerate(STRATEGIES):
         pts = [r for r in rows if r["strategy"] == name and r["measured_bytes"] != ""]
-        color = f"C{i}"
-        ax.plot(
-            [r["params"] for r in pts],
-            [r["measured_bytes"] / 1e6 for r in pts],
-            "o-",
-            color=color,
-            label=f"{name} measured",
-        )
-        ax.plot(
-            [r["params"] for r in pts],
-            [r["predicted_bytes"] / 1e6 for r in pts],
-            "x--",
-            color=color,
-            label=f"{name} predicted",
-        )
-    ax.set(title=f"peak memory per rank, 2 ranks, batch {BATCH} (AdamW, fp32)", xlabel="parameters",
-           ylabel="MB", xscale="log", yscale="log")  # fmt: skip
+        for what, style in (("measured", "o-"), ("predicted", "x--")):
+            ax.plot(
+                [r["params"] for r in pts],
+                [r[f"{what}_bytes"] / 1e6 for r in pts],
+                style,
+                color=f"C{i}",
+                label=f"{name} {what}",
+            )
+    ax.set(
+        title=f"peak memory per rank, 2 ranks, batch {BATCH} (AdamW, fp32)",
+        xlabel="parameters",
+        ylabel="MB",
+        xscale="log",
+        yscale="log",
+    )
     ax.legend(fontsize=7, ncol=2)
     files.append(save(fig, out / "memory.png"))
     (out / "memory.json").write_text(json.dumps({"widths": widths}))

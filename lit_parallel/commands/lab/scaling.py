@@ -27,6 +27,7 @@ from lit_parallel.commands.lab.common import (
     save,
     write_csv,
 )
+from lit_parallel.commands.launch import add_worker_arguments
 
 GLOBAL_BATCH, PER_RANK_BATCH, LR = 32, 16, 0.2
 
@@ -84,8 +85,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.scaling")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--epochs", type=int, default=3)
     return p

@@ -27,6 +27,7 @@ from lit_parallel.commands.lab.common import (
     save,
     write_csv,
 )
+from lit_parallel.commands.launch import add_worker_arguments
 
 MODES = ("set_epoch called", "set_epoch forgotten")
 
@@ -86,8 +87,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.set_epoch")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3)
     return p
@@ -102,13 +102,20 @@ def order_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             for epoch, order in enumerate(per_epoch):
                 others = set().union(*(set(o[epoch]) for r, o in enumerate(orders) if r != rank))
                 prev = per_epoch[epoch - 1] if epoch else None
-                rows.append({
-                    "mode": mode, "epoch": epoch, "rank": rank,
-                    "overlap_with_other_ranks": len(set(order) & others) / len(order),
-                    "same_samples_as_previous_epoch": "" if prev is None else len(set(order) & set(prev)) / len(order),
-                    "same_positions_as_previous_epoch": "" if prev is None
-                    else sum(a == b for a, b in zip(order, prev)) / len(order),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "mode": mode,
+                        "epoch": epoch,
+                        "rank": rank,
+                        "overlap_with_other_ranks": len(set(order) & others) / len(order),
+                        "same_samples_as_previous_epoch": ""
+                        if prev is None
+                        else len(set(order) & set(prev)) / len(order),
+                        "same_positions_as_previous_epoch": ""
+                        if prev is None
+                        else sum(a == b for a, b in zip(order, prev)) / len(order),
+                    }
+                )
     return rows
 
 
@@ -123,7 +130,11 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
     files = [write_csv(out / "set_epoch_order.csv", rows), write_csv(out / "set_epoch_loss.csv", losses)]
     fig, (ax_order, ax_loss) = figure(2)
     for mode, style in zip(MODES, ("o-", "s--")):
-        pts = [(r["epoch"], r["same_samples_as_previous_epoch"]) for r in rows if r["mode"] == mode and r["rank"] == 0 and r["epoch"]]  # fmt: skip
+        pts = [
+            (r["epoch"], r["same_samples_as_previous_epoch"])
+            for r in rows
+            if r["mode"] == mode and r["rank"] == 0 and r["epoch"]
+        ]
         ax_order.plot(*zip(*pts), style, label=mode)
         ax_loss.plot(
             [e for e, _ in enumerate(result[mode]["losses"])], result[mode]["losses"], style, label=mode

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lit_parallel.commands.lab.common import FEATURES, figure, launch, run_worker, save, write_csv
+from lit_parallel.commands.launch import add_worker_arguments
 
 MODELS = ("all parameters used", "one branch unused")
 BUCKET_MB = 0.25  # what ddp_tuned measures as best for these small models on gloo (it logs its choice)
@@ -96,9 +97,18 @@ def _run(unused: bool, strategy_name: str, steps: int) -> dict[str, float | str]
     else:  # the bucket size ddp_tuned chooses, so that only the search differs
         strategy = DDPStrategy(find_unused_parameters=strategy_name == STRATEGIES[0], bucket_cap_mb=BUCKET_MB)
     timer = _timer()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer], use_distributed_sampler=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        use_distributed_sampler=False,
+    )
     data = [(torch.randn(8, FEATURES), torch.randint(0, 4, (8,))) for _ in range(steps)]
     trainer.fit(_module(unused), torch.utils.data.DataLoader(data, batch_size=None))
     return {"step_s": statistics.median(timer.times), "find_unused_parameters": timer.detection}
@@ -126,8 +136,7 @@ def worker_args(quick: bool) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lit_parallel.commands.lab.unused_parameters")
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--result")
+    add_worker_arguments(p)
     p.add_argument("--steps", type=int, default=8)
     return p
 
@@ -154,8 +163,13 @@ def run(out: Path, quick: bool = False, result: dict[str, Any] | None = None) ->
                 r["find_unused_parameters"] for r in rows if r["model"] == m and r["strategy"] == strategy
             )
             text = "fails" if bar.get_height() == 0 else ("search on" if on else "search off")
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)  # fmt: skip
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     ax.set(
         title="DDP step time, 2 ranks (median)", ylabel="ms", xticks=range(len(MODELS)), xticklabels=MODELS
     )

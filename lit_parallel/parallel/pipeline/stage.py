@@ -118,9 +118,14 @@ class StageModule(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, plan: PipelinePlan, stage: StagePlan, skips: dict, state: _StageState,
+        self,
+        model: nn.Module,
+        plan: PipelinePlan,
+        stage: StagePlan,
+        skips: dict,
+        state: _StageState,
         block_skips: dict[str, _Skip] | None = None,
-    ):  # fmt: skip
+    ):
         super().__init__()
         self.plan = stage
         self.is_last = stage.index == plan.num_stages - 1

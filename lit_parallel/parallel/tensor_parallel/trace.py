@@ -304,9 +304,6 @@ def auto_trace(
     return None, "; ".join(reasons)
 
 
-_auto_trace = auto_trace  # the old name, while example-input code elsewhere may still call it
-
-
 # --- simulated local forward (one rank, meta device) ----------------------------------------------------
 
 

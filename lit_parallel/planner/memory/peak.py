@@ -47,9 +47,8 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
 * ``tp_dp`` with its plan (``advise`` infers it): one tensor-parallel rank's model
   (:mod:`lit_parallel.planner.memory.tensor_parallel`: split layers with their per-rank shapes, head counts per rank)
   simulated on meta, under FSDP2's moments over the data-parallel ranks (over one: no flat buffers, the
-  root's gathered copy); and each row-wise layer's forward all-reduce, with its block gathered (measured
-  so on DTensor parameters) and four copies of its output (the partial sum, the result, gloo's two
-  buffers).
+  root's gathered copy); and each row-wise layer's forward all-reduce, with its block gathered (DTensor
+  parameters) and four copies of its output (the partial sum, the result, gloo's two buffers).
   Without a plan: activations and temporaries inside blocks divided by the tensor-parallel size.
 * ``pp_dp``: the largest pipeline stage, from one micro-batch simulated with its activations attributed
   to the blocks (:mod:`lit_parallel.planner.memory.pipeline`, where its terms are written out).
@@ -61,15 +60,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
-from lit_parallel.planner.precision import precision_bytes
+from lit_parallel.planner.memory.pipeline import PipelinePrediction
+from lit_parallel.planner.memory.table import StateRow
 from lit_parallel.planner.simulation import StepSimulation
 
 STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
-# tp_dp: copies of a row-wise layer's output live at its forward all-reduce (the partial sum, the reduced
-# result, gloo's input and output buffers): 4 at the measured peaks of vit, mlp and BlockMLP
+# tp_dp: copies of a row-wise layer's output live at its forward all-reduce: the partial sum, the reduced
+# result, gloo's input and output buffers
 TP_ALL_REDUCE_COPIES = 4
 LABELS = {
     "one_process": "one process (no DDP)",
@@ -166,7 +165,7 @@ class PeakReport:
     peaks_checkpointed: dict[str, Peak] = field(default_factory=dict)
     activations: dict[str, dict[str, float]] = field(default_factory=dict)  # precision -> {"off", "on"}
     block_activation_share: float = 0.0
-    pipeline: Any = None  # pp_dp's layout, step-time inputs: memory.pipeline.PipelinePrediction
+    pipeline: PipelinePrediction | None = None  # pp_dp's layout and largest stage
     notes: list[str] = field(default_factory=list)
     checkpointing_note: str = ""  # why the "with AC" figures are the ones without, when they are
 
@@ -188,18 +187,22 @@ class PeakReport:
         }
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[precision_bytes(precision).compute]
-
-
 def _strategy_peak(
-    strategy: str, sim: StepSimulation, rows: dict, shape: ModelShape, *, c: int, opt_bytes: int, extra: dict
+    strategy: str,
+    sim: StepSimulation,
+    rows: dict[str, StateRow],
+    shape: ModelShape,
+    *,
+    c: int,
+    opt_bytes: int,
+    extra: dict,
 ) -> Peak:
     """The three moments of one step for ``strategy``; the largest wins."""
     sharded = strategy in ("zero2", "fsdp_blocks", "hsdp", "tp_dp")
     # ZeRO-2 here is FSDP2 without resharding: the state is sharded like ZeRO-3 (the parameters' shards
     # are what is stored), and the gathered copies are the extra below
-    _, _, _, p, g, o = rows["FSDP/ZeRO-3" if strategy == "zero2" else _ROW[strategy]]
+    row = rows["FSDP/ZeRO-3" if strategy == "zero2" else _ROW[strategy]]
+    p, g, o = row.param_bytes, row.grad_bytes, row.optimizer_bytes
     o += 4 * shape.param_tensors  # AdamW's step counters: one fp32 scalar per parameter tensor
     fw, bw = sim.forward_peak.by_category, sim.backward_peak.by_category
     share, tp, shard = extra["share"], extra["tp"], extra["shard"]
@@ -210,21 +213,36 @@ def _strategy_peak(
     block_c = shape.largest_block * c / tp
     root_c = (shape.params - shape.block_params) * c
     if strategy in ("zero2", "fsdp_blocks", "hsdp"):
-        return _fsdp_peak(
+        moments = fsdp_moments(
             strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"]
         )
+        return max(moments, key=lambda m: m.total)
     gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
     if sharded:  # tp_dp: root kept gathered, one block in forward; in backward the next is prefetched too
         gathered = {"fw": (root_c + block_c, 0.0), "bw": (root_c + block_c, block_c)}
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     grads_bw = g if strategy == "ddp_tuned" else g * fraction  # DDP's buckets hold every gradient all step
     moments = [
-        Peak(strategy, p + gathered["fw"][0], g, o, split(fw["activations"]),
-             split(fw["temporaries"]) + gathered["fw"][1], "forward"),
-        Peak(strategy, p + gathered["bw"][0], grads_bw, o, split(bw["activations"]),
-             split(bw["temporaries"]) + gathered["bw"][1], "backward"),
+        Peak(
+            strategy,
+            p + gathered["fw"][0],
+            g,
+            o,
+            split(fw["activations"]),
+            split(fw["temporaries"]) + gathered["fw"][1],
+            "forward",
+        ),
+        Peak(
+            strategy,
+            p + gathered["bw"][0],
+            grads_bw,
+            o,
+            split(bw["activations"]),
+            split(bw["temporaries"]) + gathered["bw"][1],
+            "backward",
+        ),
         Peak(strategy, p, g, o, 0.0, opt_bytes / (shard if sharded else 1), "optimizer step"),
-    ]  # fmt: skip
+    ]
     return max(moments, key=lambda m: m.total)
 
 
@@ -246,28 +264,35 @@ class _Fsdp:
     flat: float = 1.0
 
 
-def _fsdp_peak(
-    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
-    gloo: bool,
-) -> Peak:  # fmt: skip
-    """The largest of :func:`fsdp_moments`."""
-    moments = fsdp_moments(strategy, sim, shape, state, c=c, opt_bytes=opt_bytes, shard=shard, gloo=gloo)
-    return max(moments, key=lambda m: m.total)
-
-
 def fsdp_moments(
-    strategy: str, sim: StepSimulation, shape: ModelShape, state: tuple, *, c: int, opt_bytes: int, shard: int,
+    strategy: str,
+    sim: StepSimulation,
+    shape: ModelShape,
+    state: tuple,
+    *,
+    c: int,
+    opt_bytes: int,
+    shard: int,
     gloo: bool,
-) -> list[Peak]:  # fmt: skip
+) -> list[Peak]:
     """FSDP2's moments (module docstring): each block's gather, inside and after it in forward, the loss,
     each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
     every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
     ratio = padded(every, shard) / shape.params if shape.params else 1.0
     # one rank per shard (HSDP of replicas of 1, tp_dp over one data-parallel rank): the gathered copies are
-    # there, the forward's flat all-gather outputs are not (measured so on BlockMLP, gpt2, vit and mlp)
-    f = _Fsdp(strategy, state[0] * ratio, state[1] * ratio, state[2],  # shards are padded; AdamW's state not
-              padded(shape.root_shapes, shard) * c, [padded(b, shard) * c for b in shape.block_shapes],
-              keep=strategy == "zero2", shard=shard, gloo=gloo, flat=0.0 if shard == 1 else 1.0)  # fmt: skip
+    # there, the forward's flat all-gather outputs are not
+    f = _Fsdp(
+        strategy,
+        state[0] * ratio,
+        state[1] * ratio,
+        state[2],  # shards are padded; AdamW's state not
+        padded(shape.root_shapes, shard) * c,
+        [padded(b, shard) * c for b in shape.block_shapes],
+        keep=strategy == "zero2",
+        shard=shard,
+        gloo=gloo,
+        flat=0.0 if shard == 1 else 1.0,
+    )
     moments = _fsdp_forward(f, sim) + _fsdp_backward(f, sim, shape, c)
     moments.append(Peak(strategy, f.p, f.g, f.o, 0.0, opt_bytes / shard, "optimizer step"))
     return moments
@@ -297,8 +322,18 @@ def _fsdp_forward(f: _Fsdp, sim: StepSimulation) -> list[Peak]:
     # method), so the last group's flat output lives until the loss is computed
     fw = sim.forward_peak.by_category
     last = blocks[-1] if blocks else root
-    moments.append(Peak(s, p + root + (sum(blocks) if f.keep else 0.0), g, o, fw["activations"],
-                        fw["temporaries"] + f.flat * last, "forward", "loss"))  # fmt: skip
+    moments.append(
+        Peak(
+            s,
+            p + root + (sum(blocks) if f.keep else 0.0),
+            g,
+            o,
+            fw["activations"],
+            fw["temporaries"] + f.flat * last,
+            "forward",
+            "loss",
+        )
+    )
     return moments
 
 
@@ -323,28 +358,62 @@ def _fsdp_backward(f: _Fsdp, sim: StepSimulation, shape: ModelShape, c: int) -> 
             sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
             gathered = root + (sum(blocks[:k]) if keep else 0.0)
             prefetched = blocks[k - 1] if k and not keep else 0.0
-            moments.append(Peak(s, p + gathered + more_p, sharded + root_grads + more_g, o, act,
-                                tmp + prefetched + more_t, "backward", f"block {k} reduce-scattered"))  # fmt: skip
+            moments.append(
+                Peak(
+                    s,
+                    p + gathered + more_p,
+                    sharded + root_grads + more_g,
+                    o,
+                    act,
+                    tmp + prefetched + more_t,
+                    "backward",
+                    f"block {k} reduce-scattered",
+                )
+            )
     # the loss's and the head's backward, before the last block's: only the root gathered (ZeRO-2: every
     # block), the root's unsharded gradients so far; ZeRO-3's root prefetches the last block's all-gather
     if sim.backward_head is not None and blocks:
         head = sim.backward_head.by_category
-        moments.append(Peak(s, p + root + (sum(blocks) if keep else 0.0), head["grads"], o, head["activations"],
-                            head["temporaries"] + (0.0 if keep else blocks[-1]), "backward", "loss and head"))  # fmt: skip
+        moments.append(
+            Peak(
+                s,
+                p + root + (sum(blocks) if keep else 0.0),
+                head["grads"],
+                o,
+                head["activations"],
+                head["temporaries"] + (0.0 if keep else blocks[-1]),
+                "backward",
+                "loss and head",
+            )
+        )
     # the rest of backward (its highest point may come before any block is done): ZeRO-3 has a block
     # gathered and the next one's all-gather output prefetched
     bw = (sim.backward_blocks or sim.backward_peak).by_category
     fraction = bw["grads"] / sim.grad_bytes if sim.grad_bytes else 0.0
     largest = max(blocks, default=0.0)
-    moments.append(Peak(s, p + root + (sum(blocks) if keep else largest), g * fraction, o, bw["activations"],
-                        bw["temporaries"] + (0.0 if keep else largest), "backward"))  # fmt: skip
+    moments.append(
+        Peak(
+            s,
+            p + root + (sum(blocks) if keep else largest),
+            g * fraction,
+            o,
+            bw["activations"],
+            bw["temporaries"] + (0.0 if keep else largest),
+            "backward",
+        )
+    )
     return moments
 
 
 def add_strategy_peaks(
-    report: PeakReport, sims: dict[tuple[str, bool], StepSimulation], rows: dict, *, c: int, opt_bytes: int,
+    report: PeakReport,
+    sims: dict[tuple[str, bool], StepSimulation],
+    rows: dict[str, StateRow],
+    *,
+    c: int,
+    opt_bytes: int,
     device_type: str,
-) -> None:  # fmt: skip
+) -> None:
     """Every strategy's peak from the one-process simulations, without and with checkpointing (the row
     without, where checkpointing was not simulated), into ``report``."""
     precision, devices, shape = report.precision, report.devices, report.shape

@@ -51,9 +51,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
+from lit_parallel.parallel.pipeline.plan import PipelinePlan
 from lit_parallel.planner.memory.pipeline_simulation import MicroBatchSimulation, simulate_micro_batch
 from lit_parallel.planner.pipeline_layout import (
     PREDICTED_SCHEDULES,
@@ -184,7 +184,7 @@ def boundary_terms(
 
 def stage_peaks(
     module: nn.Module,
-    plan: Any,
+    plan: PipelinePlan,
     block_names: list[str],
     layout: PipelineLayout,
     sim: MicroBatchSimulation,
@@ -209,13 +209,29 @@ def stage_peaks(
         per_block = [_numel(module, n) * c for n in stage.blocks]
         root = params * c - sum(per_block)
         gathered, live = backward_moment(k, head, blocks, tail, root, per_block, d > 1)
-        out.append(max(
-            StageBytes(s, params * b.params / d + gathered, trainable * b.grads / d + trainable * b.grads,
-                       optimizer, live, kept + in_step + sim.temporaries, "backward"),
-            StageBytes(s, params * b.params / d, trainable * b.grads / d, optimizer, 0.0, scratch + kept,
-                       "optimizer step"),
-            key=lambda x: x.total,
-        ))  # fmt: skip
+        out.append(
+            max(
+                StageBytes(
+                    s,
+                    params * b.params / d + gathered,
+                    trainable * b.grads / d + trainable * b.grads,
+                    optimizer,
+                    live,
+                    kept + in_step + sim.temporaries,
+                    "backward",
+                ),
+                StageBytes(
+                    s,
+                    params * b.params / d,
+                    trainable * b.grads / d,
+                    optimizer,
+                    0.0,
+                    scratch + kept,
+                    "optimizer step",
+                ),
+                key=lambda x: x.total,
+            )
+        )
     return out
 
 
@@ -233,9 +249,16 @@ class PipelinePrediction:
 
     def as_dict(self) -> dict[str, Any]:
         lay = self.layout
-        return {"stages": lay.stages, "microbatches": lay.microbatches, "data_parallel": lay.data_parallel,
-                "schedule": lay.schedule, "micro_batch": lay.micro_batch, "largest_stage": self.off.stage,
-                "boundary_bytes": self.boundary_bytes, "largest_stage_param_share": self.stage_share}  # fmt: skip
+        return {
+            "stages": lay.stages,
+            "microbatches": lay.microbatches,
+            "data_parallel": lay.data_parallel,
+            "schedule": lay.schedule,
+            "micro_batch": lay.micro_batch,
+            "largest_stage": self.off.stage,
+            "boundary_bytes": self.boundary_bytes,
+            "largest_stage_param_share": self.stage_share,
+        }
 
 
 def predict_pipeline(
@@ -264,7 +287,7 @@ def predict_pipeline(
         )
     if len(block_names) < layout.stages:
         raise ValueError(f"{len(block_names)} blocks cannot be cut into {layout.stages} stages")
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[b.compute]
+    dtype = b.compute_dtype
     plan = pipeline_plan(module, block_names, layout)  # raises for weights tied across stages
     args = micro_batch_args(module, layout.micro_batch, seq_len, example_inputs)
     sim = simulate_micro_batch(module, block_names, args, dtype=dtype)
@@ -279,22 +302,3 @@ def predict_pipeline(
         boundary_bytes=max(sim.outputs, default=0.0),
         stage_share=max(s.params for s in plan.stages) / total,
     )
-
-
-def add_pipeline_peaks(report: Any, module: nn.Module, block_names: list[str], *, precision: str,
-                       device_type: str, seq_len: int | None, example_inputs: Any) -> None:  # fmt: skip
-    """Put ``pp_dp``'s peaks (the largest stage) into a :class:`~lit_parallel.planner.memory.peak.PeakReport`, or a
-    note saying why it is not predicted."""
-    from lit_parallel.planner.memory.peak import Peak
-    from lit_parallel.planner.precision import precision_bytes
-
-    try:
-        pred = predict_pipeline(module, block_names, precision_bytes(precision), devices=report.devices,
-                                nodes=report.nodes, batch_size=report.batch_size, seq_len=seq_len,
-                                example_inputs=example_inputs, device_type=device_type)  # fmt: skip
-    except ValueError as err:
-        report.notes.append(f"pp_dp not predicted: {err}")
-        return
-    report.pipeline = pred
-    for target, x in ((report.peaks, pred.off), (report.peaks_checkpointed, pred.on)):
-        target["pp_dp"] = Peak("pp_dp", x.params, x.grads, x.optimizer, x.activations, x.temporaries, x.phase)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lit_parallel._compat import storage_key, tree_flatten
+from lit_parallel.measure.live_memory import LiveMemory
 
 __all__ = ["MicroBatchSimulation", "simulate_micro_batch"]
 
@@ -70,7 +71,7 @@ def _storages(value: Any) -> dict[int, torch.Tensor]:
     return {storage_key(t): t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)}
 
 
-def _bytes_if_saved(tracker: Any, t: torch.Tensor | None) -> float:
+def _bytes_if_saved(tracker: LiveMemory, t: torch.Tensor | None) -> float:
     """``t``'s storage bytes when it is saved for backward (counted as activations now), else 0."""
     saved = t is not None and tracker.kind_of(t) == "activations"
     return float(t.untyped_storage().nbytes()) if saved else 0.0
@@ -80,7 +81,7 @@ class _BlockBoundaries:
     """Forward hooks on the blocks: saved activations before and after each call, which of its input and
     output the block saved, and the model's inputs saved before, by and after each block."""
 
-    def __init__(self, tracker: Any, inputs: dict[int, torch.Tensor]) -> None:
+    def __init__(self, tracker: LiveMemory, inputs: dict[int, torch.Tensor]) -> None:
         self.tracker, self.inputs = tracker, inputs
         self.marks: list[tuple[float, float]] = []  # (activations, model inputs saved) before each block call
         self.after: list[tuple[float, float]] = []  # ... and after it
@@ -122,7 +123,6 @@ def simulate_micro_batch(
 ) -> MicroBatchSimulation:
     """Forward, :func:`~lit_parallel.planner.simulation.default_loss` and backward of one micro-batch
     (``args``: meta tensors) on a meta copy of ``module``, saved activations attributed by block."""
-    from lit_parallel.measure.live_memory import LiveMemory
     from lit_parallel.parallel.example_inputs import to_meta
     from lit_parallel.parallel.parallelize import apply_activation_checkpointing
     from lit_parallel.planner.activations import forward_target

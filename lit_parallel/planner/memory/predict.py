@@ -11,12 +11,13 @@ from typing import Any
 
 from torch import nn
 
+from lit_parallel.parallel.tensor_parallel.plan import TPPlan
 from lit_parallel.planner.activations import estimate_activations
-from lit_parallel.planner.memory.peak import ModelShape, PeakReport, add_strategy_peaks, compute_dtype
-from lit_parallel.planner.memory.pipeline import add_pipeline_peaks
+from lit_parallel.planner.memory.peak import ModelShape, Peak, PeakReport, add_strategy_peaks
+from lit_parallel.planner.memory.pipeline import predict_pipeline
 from lit_parallel.planner.memory.table import memory_rows
 from lit_parallel.planner.memory.tensor_parallel import tp_peaks
-from lit_parallel.planner.precision import canonical_precision, precision_bytes
+from lit_parallel.planner.precision import canonical_precision, compute_dtype, precision_bytes
 from lit_parallel.planner.simulation import StepSimulation, simulate_step
 
 
@@ -31,7 +32,7 @@ def predict_peaks(
     example_inputs: Any = None,
     block_names: list[str] = (),  # type: ignore[assignment]
     device_type: str = "cuda",
-    tp_plan: Any = None,
+    tp_plan: tuple[nn.Module, TPPlan] | None = None,
 ) -> PeakReport:
     """Per-rank peak of one training step (AdamW) for every strategy, with and without checkpointing.
 
@@ -60,19 +61,39 @@ def predict_peaks(
     for (prec, ac), s in sims.items():
         report.activations.setdefault(prec, {})["on" if ac else "off"] = s.saved_bytes
     report.block_activation_share = _block_share(module, blocks, precision, kw)
-    rows = {r[0]: r for r in memory_rows(shape.params, devices=devices, nodes=nodes, precision=precision,
-                                         trainable_params=shape.trainable,
-                                         tp_split_params=shape.block_params or None)}  # fmt: skip
+    rows = {
+        r.name: r
+        for r in memory_rows(
+            shape.params,
+            devices=devices,
+            nodes=nodes,
+            precision=precision,
+            trainable_params=shape.trainable,
+            tp_split_params=shape.block_params or None,
+        )
+    }
     opt_elem = 4 if precision_bytes(precision).optimizer >= 8 else 2  # AdamW's scratch in the master dtype
     opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
     add_strategy_peaks(report, sims, rows, c=c, opt_bytes=opt_bytes, device_type=device_type)
     if tp_plan is not None:
         report.peaks["tp_dp"], report.peaks_checkpointed["tp_dp"] = tp_peaks(
-            *tp_plan, precision=precision, nodes=nodes, block_names=list(block_names), kw=kw,
-            opt_elem=opt_elem, device_type=device_type,
-        )  # fmt: skip
-    add_pipeline_peaks(report, module, list(block_names), precision=precision, device_type=device_type,
-                       seq_len=seq_len, example_inputs=example_inputs)  # fmt: skip
+            *tp_plan,
+            precision=precision,
+            nodes=nodes,
+            block_names=list(block_names),
+            kw=kw,
+            opt_elem=opt_elem,
+            device_type=device_type,
+        )
+    add_pipeline_peaks(
+        report,
+        module,
+        list(block_names),
+        precision=precision,
+        device_type=device_type,
+        seq_len=seq_len,
+        example_inputs=example_inputs,
+    )
     return report
 
 
@@ -105,3 +126,35 @@ def _block_share(module: nn.Module, blocks: list[nn.Module], precision: str, kw:
         return 0.0
     est = estimate_activations(module, precision=precision, blocks=blocks, **kw)
     return est.block_bytes / est.total_bytes if est.total_bytes else 0.0
+
+
+def add_pipeline_peaks(
+    report: PeakReport,
+    module: nn.Module,
+    block_names: list[str],
+    *,
+    precision: str,
+    device_type: str,
+    seq_len: int | None,
+    example_inputs: Any,
+) -> None:
+    """Put ``pp_dp``'s peaks (the largest stage, :func:`~lit_parallel.planner.memory.pipeline.predict_pipeline`)
+    into ``report``, or a note saying why it is not predicted."""
+    try:
+        pred = predict_pipeline(
+            module,
+            block_names,
+            precision_bytes(precision),
+            devices=report.devices,
+            nodes=report.nodes,
+            batch_size=report.batch_size,
+            seq_len=seq_len,
+            example_inputs=example_inputs,
+            device_type=device_type,
+        )
+    except ValueError as err:
+        report.notes.append(f"pp_dp not predicted: {err}")
+        return
+    report.pipeline = pred
+    for target, x in ((report.peaks, pred.off), (report.peaks_checkpointed, pred.on)):
+        target["pp_dp"] = Peak("pp_dp", x.params, x.grads, x.optimizer, x.activations, x.temporaries, x.phase)

@@ -35,8 +35,32 @@ ZERO2 = "fsdp_blocks(reshard_after_forward=False)"  # what runs the ZeRO-2 row
 
 
 @dataclass(frozen=True)
-class MemoryRow:
-    """Per-rank bytes of one strategy.
+class StateRow:
+    """Per-rank bytes of one strategy's model state (ZeRO's accounting).
+
+    Attributes:
+        name: the row's label (``"DDP"``, ``"ZeRO-1"``, ...).
+        strategy: the lit_parallel strategy that runs it: its registry name, with the argument that
+            selects it where one is needed (ZeRO-2); ``None`` for ZeRO-1, which no strategy here implements.
+        sharding: what is divided and over how many ranks, in words.
+    """
+
+    name: str
+    strategy: str | None
+    sharding: str
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def state_bytes(self) -> float:
+        """Parameters + gradients + optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class MemoryRow(StateRow):
+    """Per-rank bytes of one strategy: its :class:`StateRow` with the activations, and whether it fits.
 
     Attributes:
         name: the row's label (``"DDP"``, ``"ZeRO-1"``, ...).
@@ -47,19 +71,8 @@ class MemoryRow:
         fits: model state (+ activations when known) <= the device memory.
     """
 
-    name: str
-    strategy: str | None
-    sharding: str
-    param_bytes: float
-    grad_bytes: float
-    optimizer_bytes: float
     activation_bytes: float | None
     fits: bool
-
-    @property
-    def state_bytes(self) -> float:
-        """Parameters + gradients + optimizer state."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -75,8 +88,8 @@ def memory_rows(
     precision: str = "bf16-mixed",
     trainable_params: int | None = None,
     tp_split_params: int | None = None,
-) -> list[tuple[str, str | None, str, float, float, float]]:
-    """``(name, strategy, sharding, param_bytes, grad_bytes, optimizer_bytes)`` per rank for every row.
+) -> list[StateRow]:
+    """Every row's per-rank model state.
 
     Args:
         tp_split_params: parameters tensor parallelism splits (those inside transformer blocks); the
@@ -98,22 +111,22 @@ def memory_rows(
     # parameter gathered (full, in the stored dtype) from forward until its gradient is reduce-scattered
     zero2 = (zero3[0] + params * b.params, zero3[1], zero3[2])
     return [
-        ("DDP", "ddp_tuned", "nothing sharded", *split("ddp", None, world)),
-        ("ZeRO-1", None, f"optimizer state / {world}", *split("zero1", world, world)),
-        (
+        StateRow("DDP", "ddp_tuned", "nothing sharded", *split("ddp", None, world)),
+        StateRow("ZeRO-1", None, f"optimizer state / {world}", *split("zero1", world, world)),
+        StateRow(
             "ZeRO-2",
             ZERO2,
             f"everything / {world}; parameters also gathered in full from forward to backward",
             *zero2,
         ),
-        ("FSDP/ZeRO-3", "fsdp_blocks", f"everything / {world}", *zero3),
-        (
+        StateRow("FSDP/ZeRO-3", "fsdp_blocks", f"everything / {world}", *zero3),
+        StateRow(
             "HSDP",
             "hsdp",
             f"everything / {devices} (one node), x{nodes} replicas",
             *split("hsdp", devices, world),
         ),
-        (
+        StateRow(
             "TP+DP",
             "tp_dp",
             f"tensor parallel {tp} x FSDP over {dp}"
@@ -150,7 +163,7 @@ def memory_table(
 ) -> list[MemoryRow]:
     """:func:`memory_rows` with each row's activations (when estimated) and whether it fits ``memory_bytes``."""
     rows = []
-    for name, strategy, sharding, p, g, o in memory_rows(
+    for r in memory_rows(
         params,
         devices=devices,
         nodes=nodes,
@@ -162,7 +175,9 @@ def memory_table(
         if activations is not None:
             # tensor parallelism splits what happens inside blocks; data parallelism splits nothing
             outside = activations.total_bytes - activations.block_bytes
-            a = activations.block_bytes / devices + outside if name == "TP+DP" else activations.total_bytes
-        fits = p + g + o + (a or 0.0) <= memory_bytes
-        rows.append(MemoryRow(name, strategy, sharding, p, g, o, a, fits))
+            a = activations.block_bytes / devices + outside if r.name == "TP+DP" else activations.total_bytes
+        fits = r.state_bytes + (a or 0.0) <= memory_bytes
+        rows.append(
+            MemoryRow(r.name, r.strategy, r.sharding, r.param_bytes, r.grad_bytes, r.optimizer_bytes, a, fits)
+        )
     return rows

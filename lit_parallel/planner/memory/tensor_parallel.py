@@ -33,12 +33,11 @@ from lit_parallel.planner.memory.peak import (
     TP_ALL_REDUCE_COPIES,
     ModelShape,
     Peak,
-    compute_dtype,
     fsdp_moments,
     padded,
 )
 from lit_parallel.planner.memory.table import memory_rows
-from lit_parallel.planner.precision import precision_bytes
+from lit_parallel.planner.precision import compute_dtype, precision_bytes
 from lit_parallel.planner.simulation import simulate_step
 
 _COLUMN = (COLWISE, COLWISE_FUSED, LOSS_PARALLEL_HEAD)
@@ -90,9 +89,16 @@ def tp_local_model(module: nn.Module, plan: TPPlan) -> nn.Module:
 
 
 def tp_peaks(
-    module: nn.Module, plan: Any, *, precision: str, nodes: int, block_names: list[str], kw: dict, opt_elem: int,
+    module: nn.Module,
+    plan: TPPlan,
+    *,
+    precision: str,
+    nodes: int,
+    block_names: list[str],
+    kw: dict,
+    opt_elem: int,
     device_type: str,
-) -> tuple[Peak, Peak]:  # fmt: skip
+) -> tuple[Peak, Peak]:
     """``tp_dp`` without and with activation checkpointing: FSDP2 over the ``nodes`` data-parallel ranks
     (:func:`~lit_parallel.planner.memory.peak.fsdp_moments`) of one tensor-parallel rank's model
     (:func:`tp_local_model`), its step simulated on meta (the activations split layers make are split, those
@@ -102,9 +108,14 @@ def tp_peaks(
     buffers). A row-wise layer outside blocks counts the root gathered only."""
     local = tp_local_model(module, plan)
     shape = ModelShape.of(local, [local.get_submodule(n) for n in block_names])
-    rows = {r[0]: r for r in memory_rows(shape.params, devices=1, nodes=nodes, precision=precision,
-                                         trainable_params=shape.trainable)}  # fmt: skip
-    _, _, _, p, g, o = rows["FSDP/ZeRO-3"]
+    rows = {
+        r.name: r
+        for r in memory_rows(
+            shape.params, devices=1, nodes=nodes, precision=precision, trainable_params=shape.trainable
+        )
+    }
+    row = rows["FSDP/ZeRO-3"]
+    p, g, o = row.param_bytes, row.grad_bytes, row.optimizer_bytes
     o += 4 * shape.param_tensors  # AdamW's step counters
     opt_bytes = (shape.trainable if device_type == "cuda" else 2 * shape.largest_param) * opt_elem
     c = precision_bytes(precision).compute
@@ -114,8 +125,13 @@ def tp_peaks(
     for ac in (False, True) if block_names else (False,):
         try:
             with row_outputs(local, plan, block_names) as at_rows:
-                sim = simulate_step(local, dtype=compute_dtype(precision), block_names=block_names,
-                                    activation_checkpointing=ac, **kw)  # fmt: skip
+                sim = simulate_step(
+                    local,
+                    dtype=compute_dtype(precision),
+                    block_names=block_names,
+                    activation_checkpointing=ac,
+                    **kw,
+                )
         except RuntimeError:  # a block not recomputable on meta: as peak._simulations, the row without
             if not ac:
                 raise
@@ -123,14 +139,24 @@ def tp_peaks(
         moments = fsdp_moments("tp_dp", sim, shape, (p, g, o), **args)
         for path, (k, held, nbytes) in at_rows.items():
             gathered = padded(shape.block_shapes[k], nodes) * c if k is not None else 0.0
-            moments.append(Peak("tp_dp", p + root + gathered, g, o, held, TP_ALL_REDUCE_COPIES * nbytes,
-                                "forward", f"{path} all-reduced"))  # fmt: skip
+            moments.append(
+                Peak(
+                    "tp_dp",
+                    p + root + gathered,
+                    g,
+                    o,
+                    held,
+                    TP_ALL_REDUCE_COPIES * nbytes,
+                    "forward",
+                    f"{path} all-reduced",
+                )
+            )
         out.append(max(moments, key=lambda m: m.total))
     return out[0], out[-1]
 
 
 @contextlib.contextmanager
-def row_outputs(local: nn.Module, plan: Any, block_names: list[str]):
+def row_outputs(local: nn.Module, plan: TPPlan, block_names: list[str]):
     """While active, record each row-wise layer of ``plan`` in ``local`` as it runs in the step simulation
     (forward hooks are copied with the module into the simulation's meta copy) in the dict it yields:
     ``path -> (the index of the block it is in or None, the bytes the step holds then beyond the model

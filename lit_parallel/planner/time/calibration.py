@@ -12,7 +12,7 @@ adds. Five shapes separate five costs:
   root group and two block groups);
 * ``thin`` (6 blocks of 1 layer): 4 more FSDP groups and 8 more parameter tensors;
 * ``wide`` (6 blocks of 12 layers): the same groups, 132 more tensors than ``thin`` (a long lever: models
-  have tens to hundreds of tensors, and each calibration step moves by a millisecond or two between runs);
+  have tens to hundreds of tensors, and each calibration step is noisy);
 * ``heavy`` (``reference`` at width 1024): the same groups and tensors, about 8.4 MB more parameters;
 * ``buffered`` (``reference`` with a buffer): what syncing buffers adds (DDP broadcasts them at every
   forward, a synchronisation of the ranks in the middle of the step; FSDP2 does not);
@@ -48,9 +48,13 @@ from torch import nn
 
 # name -> (blocks, layers per block, width); "buffered" is "reference" with a buffer (DDP syncs buffers)
 SHAPES: dict[str, tuple[int, int, int]] = {
-    "reference": (2, 1, 4), "thin": (6, 1, 4), "wide": (6, 12, 4), "heavy": (2, 1, 1024), "buffered": (2, 1, 4),
+    "reference": (2, 1, 4),
+    "thin": (6, 1, 4),
+    "wide": (6, 12, 4),
+    "heavy": (2, 1, 1024),
+    "buffered": (2, 1, 4),
     "paired": (6, 2, 4),
-}  # fmt: skip
+}
 # measured under tp_dp only (and in one process): the others' fit has no use for it
 TP_ONLY_SHAPES = ("paired",)
 FEATURES = 4
@@ -152,8 +156,17 @@ class StrategyCost:
         buffers = 0.0  # DDP's broadcast of buffers at every forward; FSDP2 syncs none
         if not grouped and "buffered" in extra_s:
             buffers = max(0.0, extra_s["buffered"] - extra_s["reference"])
-        return cls(max(0.0, extra_s["reference"]), per_group, per_tensor, g_ref, t_ref,
-                   byte_s=per_byte, reference_bytes=b_ref, buffers_s=buffers, all_reduce_s=per_reduce)  # fmt: skip
+        return cls(
+            max(0.0, extra_s["reference"]),
+            per_group,
+            per_tensor,
+            g_ref,
+            t_ref,
+            byte_s=per_byte,
+            reference_bytes=b_ref,
+            buffers_s=buffers,
+            all_reduce_s=per_reduce,
+        )
 
     def seconds(
         self,
@@ -286,13 +299,19 @@ def load_cluster(path: str) -> dict[str, Any]:
         raise ValueError(f"--cluster {path}: no measured_cluster with {', '.join(need)} in it; {fix}")
     known = {f.name for f in fields(StrategyCost)}  # a file from another version may hold more
     try:
-        costs = {name: StrategyCost(**{k: v for k, v in c.items() if k in known})
-                 for name, c in data["strategy_costs"].items()}  # fmt: skip
+        costs = {
+            name: StrategyCost(**{k: v for k, v in c.items() if k in known})
+            for name, c in data["strategy_costs"].items()
+        }
     except (TypeError, AttributeError) as err:
         raise ValueError(f"--cluster {path}: a strategy cost is malformed ({err}); {fix}") from None
     ranks = data.get("ranks")
-    return {"busbw_gbps": float(data["busbw_gbps"]), "latency_s": float(data["latency_s"]), "costs": costs,
-            "ranks": int(ranks) if isinstance(ranks, (int, float)) and ranks >= 1 else None}  # fmt: skip
+    return {
+        "busbw_gbps": float(data["busbw_gbps"]),
+        "latency_s": float(data["latency_s"]),
+        "costs": costs,
+        "ranks": int(ranks) if isinstance(ranks, (int, float)) and ranks >= 1 else None,
+    }
 
 
 def for_ranks(costs: dict[str, StrategyCost], measured: int, ranks: int) -> dict[str, StrategyCost]:

@@ -23,11 +23,10 @@ bandwidth each): the idle fraction, the bubble, is ``(P - 1) / (M + P - 1)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from torch import nn
 
-from lit_parallel.planner.pipeline_layout import PREDICTED_SCHEDULES, pipeline_plan
+from lit_parallel.planner.pipeline_layout import PREDICTED_SCHEDULES, PipelineLayout, pipeline_plan
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,10 @@ def stage_work(module: nn.Module, stage_blocks: list[list[str]], args: tuple) ->
         for h in handles:
             h.remove()
     total_ops, total_flops = max(1, sum(ops)), max(1, sum(flops))
-    return [StageWork(o / total_ops, f / total_flops, len(names) + 1)
-            for o, f, names in zip(ops, flops, stage_blocks, strict=True)]  # fmt: skip
+    return [
+        StageWork(o / total_ops, f / total_flops, len(names) + 1)
+        for o, f, names in zip(ops, flops, stage_blocks, strict=True)
+    ]
 
 
 def uneven_pipeline_step(
@@ -93,8 +94,12 @@ def uneven_pipeline_step(
         raise ValueError(f"microbatches={microbatches} and {len(slot_s)} stages must be at least 1")
     slowest = max(slot_s)
     slots = microbatches + len(slot_s) - 1
-    return PipelineStepTime(microbatches * slowest, sum(slot_s) - slowest,
-                            slots * 2 * transfer_s if len(slot_s) > 1 else 0.0, slots * overhead_per_slot_s)  # fmt: skip
+    return PipelineStepTime(
+        microbatches * slowest,
+        sum(slot_s) - slowest,
+        slots * 2 * transfer_s if len(slot_s) > 1 else 0.0,
+        slots * overhead_per_slot_s,
+    )
 
 
 def transfer_seconds(boundary_bytes: float, latency_s: float, bandwidth_gbps: float | None) -> float:
@@ -104,10 +109,10 @@ def transfer_seconds(boundary_bytes: float, latency_s: float, bandwidth_gbps: fl
 
 
 def pipeline_stage_work(
-    module: nn.Module, block_names: list[str], layout: Any, args: tuple
+    module: nn.Module, block_names: list[str], layout: PipelineLayout, args: tuple
 ) -> list[StageWork]:
     """:func:`stage_work` for the stages ``pp_dp`` makes of ``module`` with ``layout`` (a
-    :class:`~lit_parallel.planner.memory.pipeline.PipelineLayout`), on one micro-batch's meta ``args``."""
+    :class:`~lit_parallel.planner.pipeline_layout.PipelineLayout`), on one micro-batch's meta ``args``."""
 
     plan = pipeline_plan(module, block_names, layout)
     work = stage_work(module, [list(s.blocks) for s in plan.stages], args)
@@ -155,8 +160,7 @@ def pipeline_step_time(
         latency_s, bandwidth_gbps: one point-to-point transfer's latency and bandwidth (GB/s); without a
             bandwidth only the latency is counted.
         slot_overhead_s: fixed seconds every slot costs besides compute and transfers (the schedule's and
-            FSDP2's per-micro-batch bookkeeping: about 12 ms per micro-batch on 2 CPU ranks of a busy
-            machine, measured; negligible next to a GPU's micro-batch of a large model); 0 by default.
+            FSDP2's per-micro-batch bookkeeping); 0 by default.
 
     Returns:
         ``M`` slots of compute, ``P - 1`` slots idle (the bubble, ``(P - 1) / (M + P - 1)`` of the step),
@@ -168,6 +172,9 @@ def pipeline_step_time(
         )
     if microbatches < 1 or stages < 1:
         raise ValueError(f"microbatches={microbatches} and stages={stages} must be at least 1")
-    return uneven_pipeline_step([stage_compute_s / microbatches] * stages, microbatches=microbatches,
-                                transfer_s=transfer_seconds(boundary_bytes, latency_s, bandwidth_gbps),
-                                overhead_per_slot_s=slot_overhead_s)  # fmt: skip
+    return uneven_pipeline_step(
+        [stage_compute_s / microbatches] * stages,
+        microbatches=microbatches,
+        transfer_s=transfer_seconds(boundary_bytes, latency_s, bandwidth_gbps),
+        overhead_per_slot_s=slot_overhead_s,
+    )

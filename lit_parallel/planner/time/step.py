@@ -204,10 +204,16 @@ class PartsTimer:
     measures, so prediction and measurement see this machine at the same moments."""
 
     def __init__(
-        self, module: nn.Module, *, block_name: str | None, dtype: torch.dtype = torch.float32,
-        batch_size: int | None = None, seq_len: int | None = None, example_inputs: Any = None,
+        self,
+        module: nn.Module,
+        *,
+        block_name: str | None,
+        dtype: torch.dtype = torch.float32,
+        batch_size: int | None = None,
+        seq_len: int | None = None,
+        example_inputs: Any = None,
         low_batch: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         from lit_parallel.parallel.example_inputs import vocabulary
 
         kw = {"seq_len": seq_len, "given": example_inputs}
@@ -275,10 +281,18 @@ class PartsTimer:
         tensor_s = tiny_adamw / 64
         element_s = max(0.0, whole_adamw - tensor_s * self.unit_tensors) / max(1, self.unit_elements)
         return StepTime(
-            block_s=fwd_bwd[0], op_s=op_s, flop_s=flop_s, ops=self.ops, flops=self.flops, optimizer_tensor_s=tensor_s,
-            optimizer_element_s=element_s, tensors=self.tensors, elements=self.elements,
-            block_description=self.description, block_name=self.block_name,
-        )  # fmt: skip
+            block_s=fwd_bwd[0],
+            op_s=op_s,
+            flop_s=flop_s,
+            ops=self.ops,
+            flops=self.flops,
+            optimizer_tensor_s=tensor_s,
+            optimizer_element_s=element_s,
+            tensors=self.tensors,
+            elements=self.elements,
+            block_description=self.description,
+            block_name=self.block_name,
+        )
 
 
 def _rates(counts: list[tuple[int, int]], seconds: list[float]) -> tuple[float, float]:
@@ -322,9 +336,17 @@ def collectives_per_step(strategy: str, *, groups: int, grad_bytes: float, bucke
 
 
 def comm_seconds(
-    strategy: str, params: int, *, devices: int, nodes: int, grad_bytes: int, busbw_gbps: float,
-    latency_s: float = 0.0, groups: int = 1, root_params: int = 0,
-) -> float:  # fmt: skip
+    strategy: str,
+    params: int,
+    *,
+    devices: int,
+    nodes: int,
+    grad_bytes: int,
+    busbw_gbps: float,
+    latency_s: float = 0.0,
+    groups: int = 1,
+    root_params: int = 0,
+) -> float:
     """Seconds of one step's collectives for ``strategy``: calls x latency + bytes sent / bus bandwidth
     (``root_params``: the parameters outside blocks, which FSDP gathers once per step)."""
     world = devices * nodes
@@ -334,12 +356,12 @@ def comm_seconds(
         strategy
     ]
     shard = devices if strategy == "hsdp" else None
-    n = (
-        nodes if strategy == "tp_dp" else world
-    )  # tp_dp: FSDP over nodes (TP traffic inside a node not counted)
+    # tp_dp: FSDP over nodes (TP traffic inside a node not counted)
+    n = nodes if strategy == "tp_dp" else world
     if n == 1:
         return 0.0
-    sent = estimate_comm_bytes(params, strategy=kind, world_size=n, shard_size=shard, grad_dtype=grad_bytes,
-                               root_params=root_params)  # fmt: skip
+    sent = estimate_comm_bytes(
+        params, strategy=kind, world_size=n, shard_size=shard, grad_dtype=grad_bytes, root_params=root_params
+    )
     calls = collectives_per_step(strategy, groups=groups, grad_bytes=params * grad_bytes)
     return calls * latency_s + sent / (busbw_gbps * 1e9)

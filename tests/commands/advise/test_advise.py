@@ -63,8 +63,9 @@ def test_zero2_row_is_what_fsdp_blocks_without_resharding_holds_in_both_tables()
     from lit_parallel.planner.memory.peak import LABELS
     from lit_parallel.planner.memory.table import ZERO2, memory_rows
 
-    rows = {r[0]: r for r in memory_rows(1000, devices=4, precision="32-true")}
-    name, strategy, _, p, g, o = rows["ZeRO-2"]
+    rows = {r.name: r for r in memory_rows(1000, devices=4, precision="32-true")}
+    row = rows["ZeRO-2"]
+    strategy, p, g, o = row.strategy, row.param_bytes, row.grad_bytes, row.optimizer_bytes
     # 1000 fp32 parameters over 4 ranks: a 250-element shard + the 1000-element gathered copy, 4 bytes each;
     # gradients 250 x 4; AdamW's two fp32 states 2 x 250 x 4
     assert (p, g, o) == (250 * 4 + 1000 * 4, 250 * 4, 2 * 250 * 4)
@@ -295,7 +296,7 @@ def test_advise_command_refuses_bad_input_with_the_value_and_the_fix(args, messa
     assert message in err.getvalue()
 
 
-# --- rough edges a new user runs into (issue 15) ---------------------------------------------------------
+# --- rough edges a new user runs into -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("alias", "flag"), [("bf16", "bf16-mixed"), ("16", "16-mixed"), ("32", "32-true")])
@@ -366,7 +367,7 @@ def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(ca
     assert fits.verdict(RULES[-1], True) == "yes"
 
 
-# --- peak memory and step time: predicted, then measured (issue 15) ----------------------------------------
+# --- peak memory and step time: predicted, then measured ----------------------------------------------------
 
 from lit_parallel.measure.live_memory import LiveMemory  # noqa: E402
 from lit_parallel.planner.memory.predict import predict_peaks  # noqa: E402
@@ -449,9 +450,10 @@ def test_peak_predictions_follow_what_each_strategy_shards():
     )
     p = r.peaks
     state = 16 * _shape_of(model)  # 4 + 4 + 8 bytes per parameter
+    # + AdamW's fp32 step counter per tensor
     assert p["ddp_tuned"].params + p["ddp_tuned"].grads + p["ddp_tuned"].optimizer == pytest.approx(
         state + 4 * len(list(model.parameters())), rel=1e-6
-    )  # + AdamW's fp32 step counter per tensor
+    )
     assert p["fsdp_blocks"].optimizer < p["ddp_tuned"].optimizer / 3  # sharded over 4 ranks
     for s, peak in p.items():
         parts = peak.params + peak.grads + peak.optimizer + peak.activations + peak.temporaries
@@ -515,10 +517,30 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     from lit_parallel.commands.advise.measure import LAUNCH_STRATEGIES, hybrid_layout, launch, peak_from
     from lit_parallel.commands.advise.report import predict
 
-    res = launch("tests.models:GPT", None, ranks=2, batch_size=1, seq_len=None, grad_bytes=4096, repeats=1,
-                 calibration_repeats=1, timing_unit="", rounds=2)  # fmt: skip
-    pred = predict("tests.models:GPT", {}, precision="32-true", devices=2, nodes=1, batch_size=1,
-                   seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
+    res = launch(
+        "tests.models:GPT",
+        None,
+        ranks=2,
+        batch_size=1,
+        seq_len=None,
+        grad_bytes=4096,
+        repeats=1,
+        calibration_repeats=1,
+        timing_unit="",
+        rounds=2,
+    )
+    pred = predict(
+        "tests.models:GPT",
+        {},
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=1,
+        seq_len=None,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=None,
+    )
     # pp_dp cannot cut one sequence into micro-batches: refused with the rule and the fix, in the
     # prediction and in the launch (its memory is measured within 10 % in tests/commands/test_lab.py)
     assert "pp_dp" not in pred.report.peaks and any("pp_dp" in n for n in pred.report.notes)
@@ -556,8 +578,18 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
         )
     # hsdp ran as 2 replicas of 1 rank (hybrid_layout), predicted as 2 nodes of 1 device
     assert hybrid_layout(2) == (1, 2) and hybrid_layout(4) == (2, 2) and hybrid_layout(3) == (1, 3)
-    hybrid = predict("tests.models:GPT", {}, precision="32-true", devices=1, nodes=2, batch_size=1,
-                     seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
+    hybrid = predict(
+        "tests.models:GPT",
+        {},
+        precision="32-true",
+        devices=1,
+        nodes=2,
+        batch_size=1,
+        seq_len=None,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=None,
+    )
     for strategy in ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp"):
         assert "error" not in res[strategy], res[strategy]
         measured = max((peak_from(d) for d in res[strategy]["peaks"]), key=lambda m: m.total)
@@ -582,8 +614,18 @@ def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead
     every other row) still simulates the model as the user wrote it."""
     from lit_parallel.commands.advise.report import predict
 
-    pred = predict("tests.conformance_models:TorchDecoderLM", {}, precision="32-true", devices=2, nodes=1,
-                   batch_size=8, seq_len=8, device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
+    pred = predict(
+        "tests.conformance_models:TorchDecoderLM",
+        {},
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=8,
+        seq_len=8,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=None,
+    )
     assert {"pp_dp", "tp_dp"} <= set(pred.report.peaks), pred.report.notes
     # 2 decoder layers, each split: self-attention's and cross-attention's q, k, v (column-wise) and out_proj
     # (row-wise), linear1 (column-wise) and linear2 (row-wise): 10 layers each
@@ -600,10 +642,31 @@ def test_a_real_launch_of_tp_dp_on_llama_measures_its_peak_within_10_percent_and
     from lit_parallel.commands.advise.report import predict
 
     model = "tests.conformance_models:llama"
-    res = launch(model, None, ranks=2, batch_size=8, seq_len=None, grad_bytes=4096, repeats=1,
-                 calibration_repeats=1, timing_unit="", rounds=1, strategies=("tp_dp",))  # fmt: skip
-    pred = predict(model, {}, precision="32-true", devices=2, nodes=1, batch_size=8, seq_len=None,
-                   device_type="cpu", step_time=False, busbw_gbps=None)  # fmt: skip
+    res = launch(
+        model,
+        None,
+        ranks=2,
+        batch_size=8,
+        seq_len=None,
+        grad_bytes=4096,
+        repeats=1,
+        calibration_repeats=1,
+        timing_unit="",
+        rounds=1,
+        strategies=("tp_dp",),
+    )
+    pred = predict(
+        model,
+        {},
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=8,
+        seq_len=None,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=None,
+    )
     assert "error" not in res["tp_dp"], res["tp_dp"]
     measured = max((peak_from(d) for d in res["tp_dp"]["peaks"]), key=lambda m: m.total)
     predicted = pred.report.peaks["tp_dp"]

@@ -175,9 +175,8 @@ def test_pipeline_rule_holds_only_when_the_model_fits_cut_into_stages_across_nod
     assert pipeline_plan_for(140e9, 0.0, 80e9, 4) == 2 and pipeline_plan_for(140e9, 0.0, 30e9, 4) is None
     assert pipeline_check(advise(params=7e9, devices=8, nodes=4, memory_gb=80))[0] is False  # 14 GB fits
     assert pipeline_check(advise(params=70e9, devices=8, nodes=1, memory_gb=80))[0] is False  # one node
-    assert (
-        pipeline_check(advise(params=700e9, devices=8, nodes=4, memory_gb=80))[0] is False
-    )  # 350 GB per stage
+    # 350 GB per stage
+    assert pipeline_check(advise(params=700e9, devices=8, nodes=4, memory_gb=80))[0] is False
 
 
 def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects():

@@ -71,9 +71,8 @@ def test_the_layout_advise_predicts():
     lay = pipeline_layout(8, 2, 6)
     assert (lay.stages, lay.microbatches, lay.data_parallel, lay.micro_batch) == (2, 6, 8, 1)
     assert pipeline_layout(1, 1, 16) is None  # one rank: no pipeline
-    assert (
-        pipeline_layout(4, 1, 3) is None and pipeline_microbatches(3, 4) is None
-    )  # fewer samples than stages
+    # fewer samples than stages
+    assert pipeline_layout(4, 1, 3) is None and pipeline_microbatches(3, 4) is None
 
 
 def test_a_stage_peak_adds_the_terms_written_in_the_module_docstring():
@@ -92,8 +91,15 @@ def test_a_stage_peak_adds_the_terms_written_in_the_module_docstring():
     # block 0's LayerNorm saves the model's input, block 1's the residual sum block 0 returns
     assert sim.block_inputs == [act, 0.0] and sim.input_saved == [0.0, act] and sim.output_saved == [0.0] * 2
     assert (sim.inputs, sim.model_output, sim.model_output_saved) == (act, logits, 0.0)
-    peaks = stage_peaks(model, pipeline_plan(model, names, lay), names, lay, sim, precision_bytes("32-true"),
-                        device_type="cpu")  # fmt: skip
+    peaks = stage_peaks(
+        model,
+        pipeline_plan(model, names, lay),
+        names,
+        lay,
+        sim,
+        precision_bytes("32-true"),
+        device_type="cpu",
+    )
     first = peaks[0]
     n = 2 * w + (w * 4 * w + 4 * w) + (4 * w * w + w)  # one block's parameters; 6 tensors
     assert first.phase == "backward"
@@ -124,8 +130,9 @@ class TinyConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(1, 2, 3, padding=1)
-        self.blocks = nn.Sequential(*(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2), nn.ReLU())
-                                      for _ in range(2)))  # fmt: skip
+        self.blocks = nn.Sequential(
+            *(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2), nn.ReLU()) for _ in range(2))
+        )
         self.head = nn.Linear(2, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,11 +146,8 @@ def test_a_conv_stage_counts_its_batch_norm_buffers_once_and_the_gradients_a_lat
     lay = pipeline_layout(2, 1, m)
     x = torch.randn(1, 1, 4, 4)
     sim = simulate_micro_batch(model, names, (x.to("meta"),))
-    inp, act, stats = (
-        4 * 16,
-        4 * 2 * 16,
-        4 * 2,
-    )  # the input, a block's activation, one statistic of 2 channels
+    # the input, a block's activation, one statistic of 2 channels
+    inp, act, stats = 4 * 16, 4 * 2 * 16, 4 * 2
     # the stem saves the input; block 0's convolution its input (the stem's output); each block saves its
     # BatchNorm's input, BatchNorm's batch mean and inverse deviation and running mean and variance, and its
     # ReLU's output (which is the block's output; block 1's convolution input is block 0's ReLU output)
@@ -164,8 +168,15 @@ def test_a_conv_stage_counts_its_batch_norm_buffers_once_and_the_gradients_a_lat
         del loss
     assert sim.temporaries == max(forward, live.peak.by_category["temporaries"])
     assert sim.temporaries >= 4 * 2 * 2 * 9  # the new gradient of a block's convolution weight among them
-    first, last = stage_peaks(model, pipeline_plan(model, names, lay), names, lay, sim, precision_bytes("32-true"),
-                              device_type="cpu")  # fmt: skip
+    first, last = stage_peaks(
+        model,
+        pipeline_plan(model, names, lay),
+        names,
+        lay,
+        sim,
+        precision_bytes("32-true"),
+        device_type="cpu",
+    )
     # stage 0 holds 2 micro-batches: the stem's saved input is a slice of the batch, block 0's ReLU output
     # the stage output (both counted below)
     assert first.activations == 2 * (act + act + 4 * stats)

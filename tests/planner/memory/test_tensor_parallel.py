@@ -18,11 +18,15 @@ def test_linears_split_column_wise_keep_their_input_and_row_wise_their_output():
     model = mlp()  # Linear 16->32, Tanh, 32->32, Tanh, 32->32, Tanh, 32->4: two pairs at tp 2
     local = tp_local_model(model, infer_tp_plan(model, tp_size=2))
     assert _shapes(local) == {
-        "0.weight": (16, 16), "0.bias": (16,),  # column-wise: half the outputs, half the bias
-        "2.weight": (32, 16), "2.bias": (32,),  # row-wise: half the inputs, the whole bias
-        "4.weight": (16, 32), "4.bias": (16,),
-        "6.weight": (4, 16), "6.bias": (4,),
-    }  # fmt: skip
+        "0.weight": (16, 16),
+        "0.bias": (16,),  # column-wise: half the outputs, half the bias
+        "2.weight": (32, 16),
+        "2.bias": (32,),  # row-wise: half the inputs, the whole bias
+        "4.weight": (16, 32),
+        "4.bias": (16,),
+        "6.weight": (4, 16),
+        "6.bias": (4,),
+    }
     assert all(p.is_meta for p in local.parameters())
     assert not any(p.is_meta for p in model.parameters())  # the model itself is left as it is
     x = torch.zeros(8, 16, device="meta")

@@ -40,12 +40,27 @@ def test_costs_are_recovered_from_seconds_made_up_from_known_costs():
     heavy_bytes = 4 * (5 * 1024 + 2 * (1024 * 1024 + 1024)) - 240
     # DDP also broadcasts buffers at every forward: 0.7 ms more for the buffered shape; FSDP2 syncs none
     one = {"reference": 1e-3, "thin": 1.5e-3, "wide": 4e-3, "heavy": 9e-3, "buffered": 1e-3}
-    extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor, "wide": fixed + 4 * group + 140 * tensor,
-             "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed + 0.2e-3}  # fmt: skip
-    ddp_extra = {"reference": fixed, "thin": fixed + 8 * tensor, "wide": fixed + 140 * tensor,
-                 "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed + 0.7e-3}  # fmt: skip
-    costs = fit_costs(one, {"fsdp_blocks": {k: one[k] + extra[k] for k in one},
-                            "ddp_tuned": {k: one[k] + ddp_extra[k] for k in one}})  # fmt: skip
+    extra = {
+        "reference": fixed,
+        "thin": fixed + 4 * group + 8 * tensor,
+        "wide": fixed + 4 * group + 140 * tensor,
+        "heavy": fixed + heavy_bytes * per_byte,
+        "buffered": fixed + 0.2e-3,
+    }
+    ddp_extra = {
+        "reference": fixed,
+        "thin": fixed + 8 * tensor,
+        "wide": fixed + 140 * tensor,
+        "heavy": fixed + heavy_bytes * per_byte,
+        "buffered": fixed + 0.7e-3,
+    }
+    costs = fit_costs(
+        one,
+        {
+            "fsdp_blocks": {k: one[k] + extra[k] for k in one},
+            "ddp_tuned": {k: one[k] + ddp_extra[k] for k in one},
+        },
+    )
     f, d = costs["fsdp_blocks"], costs["ddp_tuned"]
     assert (f.fixed_s, f.group_s, f.tensor_s, f.byte_s) == pytest.approx((fixed, group, tensor, per_byte))
     assert (d.fixed_s, d.group_s, d.tensor_s, d.byte_s) == pytest.approx((fixed, 0.0, tensor, per_byte))
@@ -82,10 +97,14 @@ def test_tp_dp_cost_per_all_reduce_is_recovered_from_seconds_made_up_from_known_
     fixed, group, tensor, split, per_byte = 5e-3, 1e-3, 30e-6, 2e-3, 1e-9
     heavy_bytes = counts("heavy")[2] - counts("reference")[2]
     one = {n: 1e-3 * (i + 1) for i, n in enumerate(SHAPES)}
-    extra = {"reference": fixed, "thin": fixed + 4 * group + 8 * tensor,
-             "paired": fixed + 4 * group + 20 * tensor + 12 * split,
-             "wide": fixed + 4 * group + 140 * tensor + 12 * split,
-             "heavy": fixed + heavy_bytes * per_byte, "buffered": fixed}  # fmt: skip
+    extra = {
+        "reference": fixed,
+        "thin": fixed + 4 * group + 8 * tensor,
+        "paired": fixed + 4 * group + 20 * tensor + 12 * split,
+        "wide": fixed + 4 * group + 140 * tensor + 12 * split,
+        "heavy": fixed + heavy_bytes * per_byte,
+        "buffered": fixed,
+    }
     cost = fit_costs(one, {"tp_dp": {k: one[k] + extra[k] for k in one}})["tp_dp"]
     assert (cost.fixed_s, cost.group_s, cost.tensor_s, cost.all_reduce_s, cost.byte_s) == pytest.approx(
         (fixed, group, tensor, split, per_byte)
@@ -115,17 +134,50 @@ def test_the_predicted_step_adds_the_measured_strategy_cost():
     from tests.conformance_models import ResidualSequentialNet
 
     model = ResidualSequentialNet()
-    report = predict_peaks(model, precision="32-true", devices=2, nodes=1, batch_size=4, seq_len=None,
-                           block_names=[f"blocks.{i}" for i in range(3)], device_type="cpu",
-                           example_inputs=__import__("torch").empty(4, 16, device="meta"))  # fmt: skip
+    report = predict_peaks(
+        model,
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=4,
+        seq_len=None,
+        block_names=[f"blocks.{i}" for i in range(3)],
+        device_type="cpu",
+        example_inputs=__import__("torch").empty(4, 16, device="meta"),
+    )
     params = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))
-    timing = StepTime(block_s=0.0, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
-                      optimizer_element_s=1e-9, tensors=tensors, elements=params, block_description="x")  # fmt: skip
-    fsdp = StrategyCost(fixed_s=2e-3, group_s=1e-3, tensor_s=1e-4, reference_groups=3, reference_tensors=6,
-                        byte_s=2e-9, reference_bytes=240)  # fmt: skip
-    pred = Prediction("m", report, timing=timing, overhead_s=5e-4, busbw_gbps=1.0, latency_s=1e-4, groups=4,
-                      costs={"fsdp_blocks": fsdp})  # fmt: skip
+    timing = StepTime(
+        block_s=0.0,
+        op_s=1e-5,
+        flop_s=0.0,
+        ops=100,
+        flops=0,
+        optimizer_tensor_s=1e-5,
+        optimizer_element_s=1e-9,
+        tensors=tensors,
+        elements=params,
+        block_description="x",
+    )
+    fsdp = StrategyCost(
+        fixed_s=2e-3,
+        group_s=1e-3,
+        tensor_s=1e-4,
+        reference_groups=3,
+        reference_tensors=6,
+        byte_s=2e-9,
+        reference_bytes=240,
+    )
+    pred = Prediction(
+        "m",
+        report,
+        timing=timing,
+        overhead_s=5e-4,
+        busbw_gbps=1.0,
+        latency_s=1e-4,
+        groups=4,
+        costs={"fsdp_blocks": fsdp},
+    )
     got = pred.step_s("fsdp_blocks")
     # compute 100 x 10 us; AdamW tensors x 10 us + half the elements x 1 ns; 2 ms + 1 group x 1 ms +
     # (tensors - 6) x 100 us + (4 x params - 240) x 2 ns (the bytes, measured: not over the bus); Lightning
@@ -144,8 +196,16 @@ def test_the_predicted_step_adds_the_measured_strategy_cost():
     assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(1e-4 + 2 * params * 4 / 2 / 1e9)
     # DDP measured: 1 ms + 20 us per tensor beyond 6 (its bytes, 4 x params - 240, at 1 ns each); a model
     # with buffers pays their measured broadcast (0.3 ms), FSDP2 none
-    ddp = StrategyCost(fixed_s=1e-3, group_s=0.0, tensor_s=2e-5, reference_groups=3, reference_tensors=6,
-                       byte_s=1e-9, reference_bytes=240, buffers_s=3e-4)  # fmt: skip
+    ddp = StrategyCost(
+        fixed_s=1e-3,
+        group_s=0.0,
+        tensor_s=2e-5,
+        reference_groups=3,
+        reference_tensors=6,
+        byte_s=1e-9,
+        reference_bytes=240,
+        buffers_s=3e-4,
+    )
     pred.costs["ddp_tuned"] = ddp
     ddp_comm = 1e-3 + (tensors - 6) * 2e-5 + (4 * params - 240) * 1e-9
     assert pred.step_s("ddp_tuned")["comm_s"] == pytest.approx(ddp_comm)
@@ -163,16 +223,46 @@ def test_tp_dp_divides_the_compute_its_plan_splits_and_pays_its_measured_cost_pe
     # mlp (Linear 16->32, 32->32, 32->32, 32->4, Tanh between): the automatic plan splits them as two
     # column-wise / row-wise pairs at tp 2, every Linear split: 4 split layers, 3 all-reduces (the first
     # Linear reads the model's input, which needs no gradient)
-    pred = predict("tests.conformance_models:mlp", {}, precision="32-true", devices=2, nodes=1, batch_size=4,
-                   seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=1e-4,
-                   input_shape=(16,))  # fmt: skip
+    pred = predict(
+        "tests.conformance_models:mlp",
+        {},
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=4,
+        seq_len=None,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=1.0,
+        latency_s=1e-4,
+        input_shape=(16,),
+    )
     assert pred.tp_all_reduces == 3 and pred.tp_split == 1.0
     params, tensors = 16 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 4 + 4, 8
-    costs = {"tp_dp": StrategyCost(fixed_s=5e-3, group_s=1e-3, tensor_s=3e-5, reference_groups=3,
-                                   reference_tensors=6, byte_s=1e-9, reference_bytes=240,
-                                   all_reduce_s=2e-3)}  # fmt: skip
-    timing = StepTime(block_s=0.0, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
-                      optimizer_element_s=0.0, tensors=tensors, elements=params, block_description="x")  # fmt: skip
+    costs = {
+        "tp_dp": StrategyCost(
+            fixed_s=5e-3,
+            group_s=1e-3,
+            tensor_s=3e-5,
+            reference_groups=3,
+            reference_tensors=6,
+            byte_s=1e-9,
+            reference_bytes=240,
+            all_reduce_s=2e-3,
+        )
+    }
+    timing = StepTime(
+        block_s=0.0,
+        op_s=1e-5,
+        flop_s=0.0,
+        ops=100,
+        flops=0,
+        optimizer_tensor_s=1e-5,
+        optimizer_element_s=0.0,
+        tensors=tensors,
+        elements=params,
+        block_description="x",
+    )
     got = replace(pred, timing=timing, costs=costs).step_s("tp_dp")
     # compute 100 x 10 us, all of it split: halved; FSDP groups: the three Linears block discovery takes as
     # mlp's blocks (0, 2, 4) and the root, one beyond the reference's 3; 2 tensors and 4 x params - 240
@@ -203,11 +293,34 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
         "retired_s": 0.5,  # a field another version wrote: read, and ignored
     }
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"measured_cluster": {"ranks": 2, "busbw_gbps": 0.5, "latency_s": 2e-4,
-                                                        "strategy_costs": {"fsdp_blocks": cost}}}))  # fmt: skip
+    cluster.write_text(
+        json.dumps(
+            {
+                "measured_cluster": {
+                    "ranks": 2,
+                    "busbw_gbps": 0.5,
+                    "latency_s": 2e-4,
+                    "strategy_costs": {"fsdp_blocks": cost},
+                }
+            }
+        )
+    )
     out = tmp_path / "advice.json"
-    args = ["advise", "--model", "tests.conformance_models:ResidualSequentialNet", "--devices", "2",
-            "--memory-gb", "1", "--batch-size", "4", "--input-shape", "16", "--precision", "32-true"]  # fmt: skip
+    args = [
+        "advise",
+        "--model",
+        "tests.conformance_models:ResidualSequentialNet",
+        "--devices",
+        "2",
+        "--memory-gb",
+        "1",
+        "--batch-size",
+        "4",
+        "--input-shape",
+        "16",
+        "--precision",
+        "32-true",
+    ]
     assert main([*args, "--cluster", str(cluster), "--json", str(out)]) == 0
     data = json.loads(out.read_text())["prediction"]
     timing, fsdp = data["block_timing"], data["peak"]["fsdp_blocks"]["time"]
@@ -268,9 +381,17 @@ def test_the_pipeline_cost_is_spread_over_the_slots_and_the_stage_groups_of_its_
     from lit_parallel.planner.time.calibration import calibration_model, counts
 
     for name in ("reference", "heavy"):
-        report = predict_peaks(calibration_model(name), precision="32-true", devices=2, nodes=1, batch_size=8,
-                               seq_len=None, block_names=["blocks.0", "blocks.1"], device_type="cpu",
-                               example_inputs=torch.empty(8, 4, device="meta"))  # fmt: skip
+        report = predict_peaks(
+            calibration_model(name),
+            precision="32-true",
+            devices=2,
+            nodes=1,
+            batch_size=8,
+            seq_len=None,
+            block_names=["blocks.0", "blocks.1"],
+            device_type="cpu",
+            example_inputs=torch.empty(8, 4, device="meta"),
+        )
         share = report.pipeline.stage_share
         assert share * counts(name)[2] == pytest.approx(stage_bytes(name, 2)), name
 
@@ -305,16 +426,37 @@ def test_pp_dp_transfers_pay_the_latency_only_where_no_measured_cost_per_slot_ho
     from lit_parallel.planner.time.calibration import StrategyCost
     from lit_parallel.planner.time.step import StepTime
 
-    pred = predict("tests.conformance_models:ResidualSequentialNet", {}, precision="32-true", devices=2, nodes=1,
-                   batch_size=8, seq_len=None, device_type="cpu", step_time=False, busbw_gbps=1.0, latency_s=0.0,
-                   input_shape=(16,))  # fmt: skip
+    pred = predict(
+        "tests.conformance_models:ResidualSequentialNet",
+        {},
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=8,
+        seq_len=None,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=1.0,
+        latency_s=0.0,
+        input_shape=(16,),
+    )
     pipe = pred.report.pipeline
     # 2 stages, 8 micro-batches of 1 sample: 9 slots, each sending a 1 x 32 fp32 activation forward and its
     # gradient back
     assert (pipe.layout.stages, pipe.layout.microbatches, pipe.layout.micro_batch) == (2, 8, 1)
     assert pipe.boundary_bytes == 1 * 32 * 4
-    pred.timing = StepTime(block_s=1e-3, op_s=1e-5, flop_s=0.0, ops=100, flops=0, optimizer_tensor_s=1e-5,
-                           optimizer_element_s=1e-9, tensors=20, elements=1000, block_description="x")  # fmt: skip
+    pred.timing = StepTime(
+        block_s=1e-3,
+        op_s=1e-5,
+        flop_s=0.0,
+        ops=100,
+        flops=0,
+        optimizer_tensor_s=1e-5,
+        optimizer_element_s=1e-9,
+        tensors=20,
+        elements=1000,
+        block_description="x",
+    )
     slow = replace(pred, latency_s=1e-3)
     # without a measured cost each transfer pays the latency: 9 slots x 2 x 1 ms more
     assert slow.step_s("pp_dp")["comm_s"] - pred.step_s("pp_dp")["comm_s"] == pytest.approx(9 * 2 * 1e-3)
@@ -397,9 +539,17 @@ def test_each_stage_counts_the_parameter_tensors_of_the_pieces_pp_dp_gives_it():
     # CalibrationNet(2 blocks of 3 layers) on 2 stages: inp's weight and bias with blocks.0's 3 Linears
     # (2 + 6 tensors), then blocks.1's 3 Linears (6 tensors)
     model = CalibrationNet(2, 3)
-    report = predict_peaks(model, precision="32-true", devices=2, nodes=1, batch_size=8, seq_len=None,
-                           block_names=["blocks.0", "blocks.1"], device_type="cpu",
-                           example_inputs=torch.empty(8, 4, device="meta"))  # fmt: skip
+    report = predict_peaks(
+        model,
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=8,
+        seq_len=None,
+        block_names=["blocks.0", "blocks.1"],
+        device_type="cpu",
+        example_inputs=torch.empty(8, 4, device="meta"),
+    )
     work = pipeline_stage_work(model, ["blocks.0", "blocks.1"], report.pipeline.layout, (torch.empty(1, 4),))
     assert [w.tensors for w in work] == [2 + 6, 6]
     # a parameter two pieces share (tied weights) is one tensor of the stage
@@ -415,21 +565,38 @@ def test_the_launch_reports_the_median_of_its_rounds_and_the_first_rounds_peaks(
     from lit_parallel.planner.time.step import StepTime
 
     def timing(block_s: float) -> dict:
-        return asdict(StepTime(block_s=block_s, op_s=block_s / 100, flop_s=0.0, ops=100, flops=0,
-                               optimizer_tensor_s=1e-5, optimizer_element_s=1e-9, tensors=4, elements=10,
-                               block_description="the whole model"))  # fmt: skip
+        return asdict(
+            StepTime(
+                block_s=block_s,
+                op_s=block_s / 100,
+                flop_s=0.0,
+                ops=100,
+                flops=0,
+                optimizer_tensor_s=1e-5,
+                optimizer_element_s=1e-9,
+                tensors=4,
+                elements=10,
+                block_description="the whole model",
+            )
+        )
 
     # three rounds; the machine was slow in the second: every figure is the median (the parts timed between
     # a strategy's steps included), the peaks are round 1's
     rounds = [
-        {"alone": {"overhead_s": o, "one_process": {"reference": r}},
-         "ddp_tuned": {"peaks": [p], "step_s": step, "timing": timing(s)}, "calibration.ddp_tuned": {"reference": c},
-         "zero2": {"error": "RuntimeError: no"},
-         "tp_dp": {"peaks": [p], "step_s": step, "timing": None, "timed_costs": {"all_reduce_s": c / 2}},
-         "calibration.tp_dp": {"paired": c}}
-        for s, o, r, p, step, c in [(1e-3, 5e-4, 2e-3, 100, 4e-3, 3e-3), (9e-3, 9e-4, 8e-3, 101, 9e-3, 9e-3),
-                                    (2e-3, 6e-4, 3e-3, 102, 5e-3, 4e-3)]
-    ]  # fmt: skip
+        {
+            "alone": {"overhead_s": o, "one_process": {"reference": r}},
+            "ddp_tuned": {"peaks": [p], "step_s": step, "timing": timing(s)},
+            "calibration.ddp_tuned": {"reference": c},
+            "zero2": {"error": "RuntimeError: no"},
+            "tp_dp": {"peaks": [p], "step_s": step, "timing": None, "timed_costs": {"all_reduce_s": c / 2}},
+            "calibration.tp_dp": {"paired": c},
+        }
+        for s, o, r, p, step, c in [
+            (1e-3, 5e-4, 2e-3, 100, 4e-3, 3e-3),
+            (9e-3, 9e-4, 8e-3, 101, 9e-3, 9e-3),
+            (2e-3, 6e-4, 3e-3, 102, 5e-3, 4e-3),
+        ]
+    ]
     out = combine_rounds(rounds, ["ddp_tuned", "zero2"])
     # tp_dp's cost per all-reduce, timed between its steps: the median of 1.5, 4.5 and 2 ms
     assert combine_rounds(rounds, ["tp_dp"])["tp_dp"]["timed_costs"] == {"all_reduce_s": 2e-3}
@@ -455,12 +622,20 @@ def test_a_launch_prices_each_strategy_with_the_costs_timed_between_its_steps():
     # 1 ms per MB under both strategies; between zero2's steps the machine was slower: 4 ms fixed, 5 ms per
     # group (per tensor and byte are the calibration's). DDP was timed only by the calibration
     heavy_bytes = 4 * (5 * 1024 + 2 * (1024 * 1024 + 1024)) - 240
-    extra = {"reference": 3e-3, "thin": 3e-3 + 4 * 2e-3 + 8 * 50e-6, "wide": 3e-3 + 4 * 2e-3 + 140 * 50e-6,
-             "heavy": 3e-3 + heavy_bytes * 1e-9, "buffered": 3e-3}  # fmt: skip
+    extra = {
+        "reference": 3e-3,
+        "thin": 3e-3 + 4 * 2e-3 + 8 * 50e-6,
+        "wide": 3e-3 + 4 * 2e-3 + 140 * 50e-6,
+        "heavy": 3e-3 + heavy_bytes * 1e-9,
+        "buffered": 3e-3,
+    }
     timed = {"fixed_s": 4e-3, "group_s": 5e-3}
-    res = {"alone": {"one_process": dict.fromkeys(extra, 1e-3)},
-           "calibration": {n: {k: 1e-3 + v for k, v in extra.items()} for n in ("zero2", "ddp_tuned")},
-           "zero2": {"timed_costs": timed}, "ddp_tuned": {}}  # fmt: skip
+    res = {
+        "alone": {"one_process": dict.fromkeys(extra, 1e-3)},
+        "calibration": {n: {k: 1e-3 + v for k, v in extra.items()} for n in ("zero2", "ddp_tuned")},
+        "zero2": {"timed_costs": timed},
+        "ddp_tuned": {},
+    }
     costs = launch_costs(res, 2)
     zero2, ddp = costs["zero2"], costs["ddp_tuned"]
     assert (zero2.fixed_s, zero2.group_s, zero2.tensor_s, zero2.byte_s) == pytest.approx(
@@ -500,8 +675,13 @@ def test_the_parts_timed_between_steps_give_the_rates_worked_out_by_hand():
     assert got.compute_s == pytest.approx(3e-3)  # the model timed whole: its time at the micro-batch
 
     # a pipeline's micro-batch is the second batch timed (2 of 8 here), so its slots are not extrapolated
-    pp = PartsTimer(build_on_meta(mlp, {}), block_name=None, batch_size=8, example_inputs=shaped_input((FEATURES,)),
-                    low_batch=2)  # fmt: skip
+    pp = PartsTimer(
+        build_on_meta(mlp, {}),
+        block_name=None,
+        batch_size=8,
+        example_inputs=shaped_input((FEATURES,)),
+        low_batch=2,
+    )
     assert 4 * pp.counts[1][1] == pp.counts[0][1] and pp.inputs[1][0][0].shape[0] == 2
     # a micro-batch of one is timed next to twice it
     one = PartsTimer(
@@ -599,9 +779,19 @@ def test_tp_dp_is_priced_by_the_all_reduces_a_real_split_step_runs(advise_launch
     counted = {"mlp": 3, "t5": 2 * 6 + 2 * 10}
     assert advise_launch.scenario("tp_all_reduces") == [counted] * 2
     for name, shape, seq in (("mlp", (16,), None), ("t5", None, 8)):
-        pred = predict(f"tests.conformance_models:{name}", {}, precision="32-true", devices=2, nodes=1,
-                       batch_size=4, seq_len=seq, device_type="cpu", step_time=False, busbw_gbps=None,
-                       input_shape=shape)  # fmt: skip
+        pred = predict(
+            f"tests.conformance_models:{name}",
+            {},
+            precision="32-true",
+            devices=2,
+            nodes=1,
+            batch_size=4,
+            seq_len=seq,
+            device_type="cpu",
+            step_time=False,
+            busbw_gbps=None,
+            input_shape=shape,
+        )
         assert pred.tp_all_reduces == counted[name], name
 
 
@@ -611,6 +801,7 @@ def test_measure_step_calls_between_after_each_timed_step_only():
     from lit_parallel.commands.advise.measure import measure_step
 
     calls = []
-    peak, seconds = measure_step(torch.nn.Linear(2, 2), (torch.zeros(4, 2),), repeats=3,
-                                 between=lambda: calls.append(1))  # fmt: skip
+    peak, seconds = measure_step(
+        torch.nn.Linear(2, 2), (torch.zeros(4, 2),), repeats=3, between=lambda: calls.append(1)
+    )
     assert len(calls) == 3 and seconds > 0 and peak.total > 0
