@@ -2,11 +2,12 @@
 change the training.
 
 Each strategy holds one :class:`Reliability` object (``strategy.reliability``), built in its ``__init__``
-from the reliability arguments (``Reliability.from_arguments(debug_level=..., watchdog=...,
-preemption_signal=..., timeout=..., stall_timeout=...)``). The features are composed from Lightning's public extension points,
-each in one place:
+from its :class:`ReliabilityOptions` (``debug_level``, ``watchdog``, ``preemption_signal``, ``stall_timeout``)
+and its collective ``timeout``: ``Reliability(options, timeout)``. The features are composed from Lightning's
+public extension points, each in one place:
 
-- the strategy's own hooks call the object, one line each: ``_configure_launcher`` (the watched launcher,
+- the strategy's own hooks call the object, one line each (written once for every strategy, in
+  :mod:`lit_parallel.strategies.reliable`): ``_configure_launcher`` (the watched launcher,
   :mod:`~lit_parallel.reliability.launcher`), the process-group set-up (``setup_distributed``, or
   ``_setup_distributed`` for ``ModelParallelStrategy``-based strategies), ``on_exception`` (the failure
   report), ``barrier`` (RNG states at the end of a restore), ``process_dataloader`` (mid-epoch resume) and

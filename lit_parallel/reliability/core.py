@@ -31,7 +31,6 @@ from lit_parallel.reliability.launcher import watch_launcher
 from lit_parallel.reliability.options import (
     RNG_KEY,
     DebugLevel,
-    PreemptionSignal,
     ReliabilityOptions,
     _stderr,
 )
@@ -80,25 +79,6 @@ class Reliability:
         self.rng_at_first_batch: dict | None = None
         self._failed = False
         self._previous_debug_level: Any = None
-
-    @classmethod
-    def from_arguments(
-        cls,
-        *,
-        debug_level: DebugLevel | None,
-        watchdog: bool,
-        preemption_signal: PreemptionSignal,
-        timeout: timedelta | None,
-        stall_timeout: Any = "auto",
-    ) -> Reliability:
-        """From the reliability arguments every strategy takes (validated here, when the strategy is built)."""
-        options = ReliabilityOptions(
-            debug_level=debug_level,
-            watchdog=watchdog,
-            preemption_signal=preemption_signal,
-            stall_timeout=stall_timeout,
-        )
-        return cls(options, timeout)
 
     @property
     def debug_level(self) -> DebugLevel | None:

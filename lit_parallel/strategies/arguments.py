@@ -1,20 +1,26 @@
-"""Argument checks shared by every strategy, run when the strategy is built (before any process exists).
+"""The arguments every strategy takes (:class:`CommonArguments`) and the argument checks the strategies
+share, run when a strategy is built (before any process exists).
 
 Each error names the value, the rule and the fix. An unknown argument name names the closest valid one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
+
+from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityOptions
+from lit_parallel.reliability.stall import StallTimeout
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -84,10 +90,64 @@ def check_backend(value: Any) -> None:
         )
 
 
-def check_common(*, process_group_backend: Any, timeout: Any) -> None:
-    """The process-group arguments every strategy takes."""
-    check_backend(process_group_backend)
-    check_timeout(timeout)
+@dataclasses.dataclass(frozen=True)
+class CommonArguments:
+    """The arguments every lit_parallel strategy takes, each with one name, default and meaning: the process
+    group's backend and collective timeout, the reliability options
+    (:class:`~lit_parallel.reliability.ReliabilityOptions`) and ``auto_resume``.
+
+    Every strategy's ``__init__`` still lists them, because LightningCLI and the docs read the signature
+    (``tests/strategies/test_arguments.py`` holds each signature to these fields' defaults and annotations).
+    A strategy gathers them into one object with :meth:`from_arguments`, which checks every value (a
+    ``ValueError`` that names the value, the rule and the fix); a strategy built on another passes them on
+    with :meth:`pick`, ``AutoStrategy`` to the strategy it chooses with :meth:`as_kwargs`.
+    """
+
+    process_group_backend: str | None = None
+    timeout: timedelta | None = default_pg_timeout
+    debug_level: DebugLevel | None = None
+    watchdog: bool = True
+    preemption_signal: PreemptionSignal = "auto"
+    stall_timeout: StallTimeout = "auto"
+    auto_resume: bool = False
+
+    def __post_init__(self) -> None:
+        check_backend(self.process_group_backend)
+        check_timeout(self.timeout)
+        check_bool("auto_resume", self.auto_resume)
+        self.reliability_options()  # checks debug_level, watchdog, preemption_signal and stall_timeout
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The arguments' names, in the order every signature lists them (others may stand between)."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The common arguments among a constructor's ``arguments`` (its ``locals()``), by name, unchecked."""
+        return {name: arguments[name] for name in cls.names()}
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> CommonArguments:
+        """The common arguments among a constructor's ``arguments`` (its ``locals()``), checked."""
+        return cls(**cls.pick(arguments))
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """By name, as every strategy's constructor takes them."""
+        return {name: getattr(self, name) for name in self.names()}
+
+    def process_group_kwargs(self) -> dict[str, Any]:
+        """The ones Lightning's ``DDPStrategy`` and ``ModelParallelStrategy`` take themselves."""
+        return {"process_group_backend": self.process_group_backend, "timeout": self.timeout}
+
+    def reliability_options(self) -> ReliabilityOptions:
+        """The reliability options among them (checked when built)."""
+        return ReliabilityOptions(
+            debug_level=self.debug_level,
+            watchdog=self.watchdog,
+            preemption_signal=self.preemption_signal,
+            stall_timeout=self.stall_timeout,
+        )
 
 
 def check_optional_path(name: str, value: Any) -> None:

@@ -47,14 +47,15 @@ from lit_parallel.planner.rules import (
     device_memory_bytes,
     pipeline_plan_for,
 )
-from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.rng import capture_rng_state, restore_rng_state
-from lit_parallel.strategies.arguments import check_common, checked_argument_names, unknown_argument
+from lit_parallel.strategies.arguments import CommonArguments, checked_argument_names, unknown_argument
 from lit_parallel.strategies.ddp import TunedDDPStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
 from lit_parallel.strategies.pipeline import PipelineParallelStrategy
+from lit_parallel.strategies.reliable import ReliableStrategyMixin
 from lit_parallel.strategies.tensor_parallel import TensorParallelStrategy
 
 CANDIDATES: dict[str, type[ParallelStrategy]] = {
@@ -66,19 +67,8 @@ CANDIDATES: dict[str, type[ParallelStrategy]] = {
 }
 assert set(CANDIDATES) == {rule.strategy for rule in RULES}
 
-# Arguments every candidate takes; AutoStrategy passes its own to the chosen one.
-_COMMON = (
-    "process_group_backend",
-    "timeout",
-    "debug_level",
-    "watchdog",
-    "preemption_signal",
-    "stall_timeout",
-    "auto_resume",
-)
 
-
-class AutoStrategy(DDPStrategy):
+class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
     """Chooses ``ddp_tuned``, ``tp_dp``, ``hsdp``, ``pp_dp`` or ``fsdp_blocks`` for the model and devices.
 
     As soon as the model is known, the strategy counts its parameters, finds its transformer blocks,
@@ -143,41 +133,21 @@ class AutoStrategy(DDPStrategy):
                 )
             if not isinstance(kwargs, dict):
                 raise ValueError(f"strategy_kwargs[{name!r}]={kwargs!r} must be a dict of arguments")
-            for reserved in _COMMON:
+            for reserved in CommonArguments.names():  # every candidate gets AutoStrategy's own
                 if reserved in kwargs:
                     raise ValueError(
                         f"strategy_kwargs[{name!r}] sets {reserved!r}; pass it to AutoStrategy({reserved}=...)"
                         " so every candidate gets it"
                     )
             _check_candidate_kwargs(name, kwargs)
-        check_common(process_group_backend=process_group_backend, timeout=timeout)
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self.reliability = Reliability.from_arguments(
-            debug_level=debug_level,
-            watchdog=watchdog,
-            preemption_signal=preemption_signal,
-            timeout=timeout,
-            stall_timeout=stall_timeout,
-        )
+        common = CommonArguments.from_arguments(locals())
+        super().__init__(**common.process_group_kwargs())
+        self._init_common(common)
         self._memory_gb = memory_gb
         self._strategy_kwargs = strategy_kwargs
-        self._common_kwargs = {
-            "process_group_backend": process_group_backend,
-            "timeout": timeout,
-            "debug_level": debug_level,
-            "watchdog": watchdog,
-            "preemption_signal": preemption_signal,
-            "stall_timeout": stall_timeout,
-            "auto_resume": auto_resume,
-        }
         self.advice: Advice | None = None
         self.chosen: ParallelStrategy | None = None
         self._deferred = False
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self.reliability.configure_launcher(self)  # the watched launcher calls _validate_before_launch
 
     def _validate_before_launch(self, trainer: Any, model: Any) -> None:
         # Under Lightning's launcher the model is known before the other ranks start: decide now, and let
@@ -229,11 +199,6 @@ class AutoStrategy(DDPStrategy):
         restore_rng_state(rng)
         self.reliability.owns_process_group = owns
 
-    @override
-    def teardown(self) -> None:
-        super().teardown()  # only while this strategy is still the Trainer's (a deferred decision failed)
-        self.reliability.teardown()
-
     def _chosen_for(self, trainer: Any, model: Any) -> ParallelStrategy:
         """The chosen strategy, built and made ``trainer.strategy`` the first time ``trainer`` asks."""
         # The launcher keeps calling this object (e.g. a second ``fit``): the Trainer already has the
@@ -258,20 +223,15 @@ class AutoStrategy(DDPStrategy):
         hand_over_lightning_state(self, chosen)
         chosen.set_world_ranks()  # type: ignore[attr-defined]
 
+    @property
+    def _common_kwargs(self) -> dict[str, Any]:
+        """The common arguments by name, as this strategy passes them to the one it chooses."""
+        return self.common_arguments.as_kwargs()
+
     def _kwargs_for(self, name: str) -> dict[str, Any]:
-        cls = CANDIDATES[name]
-        accepted = inspect.signature(cls).parameters
-        kwargs = {k: v for k, v in self._common_kwargs.items() if k in accepted}
-        dropped = {k: v for k, v in self._common_kwargs.items() if k not in accepted}
-        defaults = inspect.signature(AutoStrategy).parameters
-        changed = {k: v for k, v in dropped.items() if v is not defaults[k].default}
-        if changed:
-            raise ValueError(
-                f"auto_parallel chose {name!r}, but {cls.__name__} does not take"
-                f" {', '.join(f'{k}={v!r}' for k, v in changed.items())}; leave it at its default or choose"
-                " the strategy yourself"
-            )
-        return {**kwargs, **self._strategy_kwargs.get(name, {})}
+        """The arguments of the candidate ``name``: the common ones (every candidate takes them) and its
+        ``strategy_kwargs``."""
+        return {**self._common_kwargs, **self._strategy_kwargs.get(name, {})}
 
     def decide(self, model: Any) -> Advice | None:
         """Measure ``model`` and the devices and apply the rules (no process group needed); ``None`` for a

@@ -29,11 +29,12 @@ from lit_parallel.parallel.ddp.buckets import (
     single_bucket_plan,
 )
 from lit_parallel.parallel.ddp.comm_hooks import average_gradients, build_comm_hook, validate_comm_hook
-from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.reliability.stall import StallTimeout
-from lit_parallel.strategies.arguments import check_bool
+from lit_parallel.strategies.arguments import CommonArguments, check_bool
 from lit_parallel.strategies.ddp_arguments import DYNAMO_MIN_CAP, check_arguments
+from lit_parallel.strategies.reliable import ReliableTrainingMixin
 
 _UNUSED_FIX = (
     "TunedDDPStrategy's first training step (its probe) used every parameter, so DDP runs with"
@@ -44,30 +45,25 @@ _UNUSED_FIX = (
 
 
 def _check_and_prepare_arguments(
-    tuning: dict[str, Any],
-    broadcast_buffers: bool | None,
-    auto_resume: bool,
-    ddp_kwargs: dict[str, Any],
-    process: dict[str, Any],
+    tuning: dict[str, Any], broadcast_buffers: bool | None, start_method: Any, ddp_kwargs: dict[str, Any]
 ) -> None:
-    """TunedDDPStrategy's arguments, checked when it is built (``tuning``: its DDP options by argument name;
-    ``process``: backend, timeout, start method). The deprecated ``broadcast_buffers`` is mapped onto
-    ``tuning["forward_sync_buffers"]``; a bool ``find_unused_parameters`` goes into ``ddp_kwargs``."""
+    """TunedDDPStrategy's own arguments, checked when it is built (``tuning``: its DDP options by argument
+    name). The deprecated ``broadcast_buffers`` is mapped onto ``tuning["forward_sync_buffers"]``; a bool
+    ``find_unused_parameters`` goes into ``ddp_kwargs``."""
     checked = {name: value for name, value in tuning.items() if name != "gradient_as_bucket_view"}
     tuning["forward_sync_buffers"] = check_arguments(
         **checked,
         broadcast_buffers=broadcast_buffers,
+        start_method=start_method,
         ddp_kwargs=ddp_kwargs,
-        process=process,
         own_names=inspect.signature(TunedDDPStrategy.__init__).parameters,
     )
     check_bool("gradient_as_bucket_view", tuning["gradient_as_bucket_view"])
-    check_bool("auto_resume", auto_resume)
     if isinstance(tuning["find_unused_parameters"], bool):  # where Lightning's DDPStrategy keeps it
         ddp_kwargs["find_unused_parameters"] = tuning["find_unused_parameters"]
 
 
-class TunedDDPStrategy(DDPStrategy):
+class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
     """DDP with measured bucket sizes, probed unused-parameter detection and gradient compression.
 
     A subclass of Lightning's ``DDPStrategy``: launcher, checkpointing and precision handling are
@@ -180,29 +176,22 @@ class TunedDDPStrategy(DDPStrategy):
             compile=compile,
             forward_sync_buffers=forward_sync_buffers,
         )
-        process = dict(
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method
-        )
-        _check_and_prepare_arguments(tuning, broadcast_buffers, auto_resume, kwargs, process)
+        _check_and_prepare_arguments(tuning, broadcast_buffers, start_method, kwargs)
+        common = CommonArguments.from_arguments(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            **process,
+            start_method=start_method,
+            **common.process_group_kwargs(),
             **kwargs,
         )
-        self.reliability = Reliability.from_arguments(
-            debug_level=debug_level,
-            watchdog=watchdog,
-            preemption_signal=preemption_signal,
-            timeout=timeout,
-            stall_timeout=stall_timeout,
-        )
-        self._init_options(tuning, auto_resume)
+        self._init_common(common)
+        self._init_options(tuning)
 
-    def _init_options(self, tuning: dict[str, Any], auto_resume: bool) -> None:
+    def _init_options(self, tuning: dict[str, Any]) -> None:
         """Keeps the checked options (``tuning``: the DDP options by argument name), then starts without
         decisions."""
         self._bucket_cap_mb = tuning["bucket_cap_mb"]
@@ -214,7 +203,6 @@ class TunedDDPStrategy(DDPStrategy):
         self._powersgd_warmup_steps = tuning["powersgd_warmup_steps"]
         self._compile = tuning["compile"]
         self._forward_sync_buffers = tuning["forward_sync_buffers"]
-        self.auto_resume = auto_resume
         self._init_decisions()
 
     def _init_decisions(self) -> None:
@@ -326,7 +314,6 @@ class TunedDDPStrategy(DDPStrategy):
         self._probing = False
         self._wrap_next_batch = None
         super().teardown()
-        self.reliability.teardown()
 
     def _apply_compile(self, model: torch.nn.Module) -> None:
         if self._compile is False:
@@ -433,28 +420,11 @@ class TunedDDPStrategy(DDPStrategy):
                 else arg
                 for arg in exception.args
             )
-        # DDPStrategy.on_exception is not called: it rewrites DDP's messages with advice for DDPStrategy
-        self.reliability.on_exception(exception, self.global_rank)
-
-    # --- reliability (lit_parallel.reliability): one call each --------------------------------------------
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        self.reliability.configure_launcher(self)
+        super().on_exception(exception)  # the failure report (ReliableTrainingMixin)
 
     @override
     def setup_distributed(self) -> None:
         self.reliability.setup_process_group(self, super().setup_distributed)
-
-    @override
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        super().barrier(name, *args, **kwargs)
-        self.reliability.after_barrier(name)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self.reliability.process_dataloader(self, super().process_dataloader(dataloader))
 
     @property
     def find_unused_parameters(self) -> bool | None:

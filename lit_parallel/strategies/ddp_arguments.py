@@ -8,7 +8,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
 from lit_parallel.parallel.ddp.buckets import MiB
 from lit_parallel.parallel.ddp.comm_hooks import validate_comm_hook
-from lit_parallel.strategies.arguments import START_METHODS, check_common, check_ddp_kwargs
+from lit_parallel.strategies.arguments import START_METHODS, check_ddp_kwargs
 
 # torch._dynamo's DDPOptimizer (compiled modules inside DDP) assumes DDP's default 1 MiB first bucket and
 # asserts that DDP's largest bucket cap is at least that.
@@ -26,14 +26,15 @@ def check_arguments(
     compile: Any,
     forward_sync_buffers: bool | None,
     broadcast_buffers: bool | None,
+    start_method: Any,
     ddp_kwargs: dict[str, Any],
-    process: dict[str, Any],
     own_names: Any,
 ) -> bool | None:
-    """TunedDDPStrategy's arguments, checked when it is built; returns ``forward_sync_buffers`` (the
-    deprecated ``broadcast_buffers`` mapped onto it). ``process``: backend, timeout, start method.
-    ``ddp_kwargs`` loses ``bucket_cap_mb_list=None`` (LightningCLI passes DDPStrategy's defaults);
-    ``own_names``: the strategy's own parameters."""
+    """TunedDDPStrategy's own arguments (the common ones are checked by
+    :class:`~lit_parallel.strategies.arguments.CommonArguments`), checked when it is built; returns
+    ``forward_sync_buffers`` (the deprecated ``broadcast_buffers`` mapped onto it). ``ddp_kwargs`` loses
+    ``bucket_cap_mb_list=None`` (LightningCLI passes DDPStrategy's defaults); ``own_names``: the strategy's
+    own parameters."""
     validate_bucket_cap(bucket_cap_mb)
     if find_unused_parameters not in ("auto", True, False):
         raise ValueError(f"find_unused_parameters={find_unused_parameters!r} must be 'auto', True or False")
@@ -64,10 +65,9 @@ def check_arguments(
             f" use forward_sync_buffers={broadcast_buffers}"
         )
         forward_sync_buffers = broadcast_buffers
-    check_common(process_group_backend=process["process_group_backend"], timeout=process["timeout"])
-    if process["start_method"] not in START_METHODS:
+    if start_method not in START_METHODS:
         raise ValueError(
-            f"start_method={process['start_method']!r} must be one of {', '.join(map(repr, START_METHODS))}"
+            f"start_method={start_method!r} must be one of {', '.join(map(repr, START_METHODS))}"
             " ('popen' runs the script again per rank; the others start processes from this one)"
         )
     check_ddp_kwargs("TunedDDPStrategy", ddp_kwargs, own_names=own_names)

@@ -38,16 +38,17 @@ from lit_parallel.parallel.fsdp import (
 from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
 from lit_parallel.plugins.precision.fsdp import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
-from lit_parallel.reliability import DebugLevel, PreemptionSignal, Reliability
+from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
 from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import (
+    CommonArguments,
     check_bool,
-    check_common,
     check_optional_path,
     checked_argument_names,
 )
+from lit_parallel.strategies.reliable import ReliableTrainingMixin
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -67,7 +68,7 @@ def _refuse_fsdp1(model: nn.Module, strategy: str) -> None:
         )
 
 
-class TransformerFSDPStrategy(ModelParallelStrategy):
+class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
     """FSDP2 applied to each transformer block, then to the rest of the model; no wrap policy needed.
 
     Args:
@@ -155,15 +156,14 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
             init_from=init_from,
             save_distributed_checkpoint=save_distributed_checkpoint,
         )
-        check_common(process_group_backend=process_group_backend, timeout=timeout)
-        check_bool("auto_resume", auto_resume)
+        common = CommonArguments.from_arguments(locals())
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
             save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            **common.process_group_kwargs(),
         )
+        self._init_common(common)
         self._block_types = block_types
         self._reshard_after_forward = reshard_after_forward
         self._user_mixed_precision = mixed_precision
@@ -171,17 +171,9 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         self._compile = compile
         self._cpu_offload = cpu_offload
         self._init_from = init_from
-        self.auto_resume = auto_resume
         self._mp_policy: MixedPrecisionPolicy | None = None
         self._dims: ParallelDims | None = None
         self.plan: FSDPPlan | None = None
-        self.reliability = Reliability.from_arguments(
-            debug_level=debug_level,
-            watchdog=watchdog,
-            preemption_signal=preemption_signal,
-            timeout=timeout,
-            stall_timeout=stall_timeout,
-        )
 
     # --- configuration, checked before any process exists -----------------------------------------------
 
@@ -209,7 +201,6 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         self._validate()
         super()._configure_launcher()
-        self.reliability.configure_launcher(self)
 
     def _validate_before_launch(self, trainer: pl.Trainer | None, model: pl.LightningModule | None) -> None:
         # Under Lightning's launcher: before the other ranks are started. connect() runs the model checks
@@ -328,7 +319,7 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
             forward_methods=STEP_METHODS,
         )
 
-    # --- reliability (lit_parallel.reliability): one call each --------------------------------------------
+    # --- reliability (lit_parallel.reliability; the other hooks: ReliableTrainingMixin) -------------------
 
     @override
     def _setup_distributed(self) -> None:
@@ -345,24 +336,6 @@ class TransformerFSDPStrategy(ModelParallelStrategy):
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
         return load_sharded_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        super().barrier(name)
-        self.reliability.after_barrier(name)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self.reliability.process_dataloader(self, super().process_dataloader(dataloader))
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self.reliability.on_exception(exception, self.global_rank)
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self.reliability.teardown()
 
     @contextmanager
     @override

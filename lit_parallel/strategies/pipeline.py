@@ -48,7 +48,7 @@ from lit_parallel.plugins.precision.fsdp import FSDPHalfPrecision
 from lit_parallel.plugins.precision.pipeline import PipelineClipping, PipelineHalfPrecision, PipelinePrecision
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.stall import StallTimeout
-from lit_parallel.strategies.arguments import checked_argument_names
+from lit_parallel.strategies.arguments import CommonArguments, checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 
 if TYPE_CHECKING:
@@ -146,13 +146,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
             save_distributed_checkpoint=True,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            debug_level=debug_level,
-            watchdog=watchdog,
-            preemption_signal=preemption_signal,
-            stall_timeout=stall_timeout,
-            auto_resume=auto_resume,
+            **CommonArguments.pick(locals()),
         )
         self._pp_size, self._schedule, self._microbatches = pipeline_parallel_size, schedule, microbatches
         self._dp_size, self._replicate_size = data_parallel_size, data_parallel_replicate_size

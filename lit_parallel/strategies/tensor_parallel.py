@@ -35,7 +35,7 @@ from lit_parallel.parallel.tensor_parallel import PlanSpec, TPPlan, plan_from_sp
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY
 from lit_parallel.reliability.stall import StallTimeout
-from lit_parallel.strategies.arguments import checked_argument_names
+from lit_parallel.strategies.arguments import CommonArguments, checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 
 if TYPE_CHECKING:
@@ -149,13 +149,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             compile=compile,
             init_from=init_from,
             save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            debug_level=debug_level,
-            watchdog=watchdog,
-            preemption_signal=preemption_signal,
-            stall_timeout=stall_timeout,
-            auto_resume=auto_resume,
+            **CommonArguments.pick(locals()),
         )
         self._dp_size = data_parallel_size
         self._tp_size = tensor_parallel_size

@@ -1,9 +1,13 @@
-"""Every strategy argument is checked when the strategy is built (no process group): names and values."""
+"""Every strategy argument is checked when the strategy is built (no process group): names and values; the
+arguments every strategy takes (CommonArguments) are kept where the strategy uses them."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import re
+import signal
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,7 +16,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lit_parallel
 from lit_parallel import TunedDDPStrategy
-from lit_parallel.strategies.auto import AutoStrategy
+from lit_parallel.strategies import ALL_STRATEGIES
+from lit_parallel.strategies.arguments import CommonArguments
+from lit_parallel.strategies.auto import CANDIDATES, AutoStrategy
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
 from lit_parallel.strategies.hsdp import HybridShardStrategy
 from lit_parallel.strategies.tensor_parallel import TensorParallelStrategy
@@ -243,3 +249,92 @@ def test_every_registered_lit_parallel_strategy_constructs():
     for name in names:
         strategy = StrategyRegistry.get(name)
         assert strategy.__class__.__module__.startswith(lit_parallel.__name__)
+
+
+# --- the arguments every strategy takes (CommonArguments) ------------------------------------------------
+
+# each common argument: a value other than its default, where a built strategy keeps it (read back), and
+# what it reads there
+COMMON_TAKEN = [
+    ("process_group_backend", "gloo", lambda s: s.process_group_backend, "gloo"),
+    (
+        "timeout",
+        timedelta(minutes=7),
+        # Lightning's, for the process group it creates; the reliability's, for every other group
+        lambda s: (s._timeout, s.reliability.timeout, s.reliability.timeout_given),
+        (timedelta(minutes=7), timedelta(minutes=7), True),
+    ),
+    ("debug_level", "detail", lambda s: s.reliability.options.debug_level, "detail"),
+    ("watchdog", False, lambda s: s.reliability.options.watchdog, False),
+    ("preemption_signal", "SIGUSR2", lambda s: s.reliability.options.preemption_signal, signal.SIGUSR2),
+    ("stall_timeout", 42, lambda s: s.reliability.options.stall_timeout, 42.0),
+    ("auto_resume", True, lambda s: s.auto_resume, True),
+]
+# each common argument: a wrong value and the start of the error, which names the value
+COMMON_REFUSED = [
+    ("process_group_backend", 1, "process_group_backend=1 must be a backend name"),
+    ("timeout", 30, "timeout=30 must be a positive datetime.timedelta"),
+    ("debug_level", "verbose", "debug_level='verbose' must be None (keep TORCH_DISTRIBUTED_DEBUG)"),
+    ("watchdog", "yes", "watchdog='yes' must be True or False"),
+    ("preemption_signal", "SIGNOPE", "preemption_signal='SIGNOPE' is not a signal name"),
+    ("stall_timeout", "soon", "stall_timeout='soon' must be 'auto'"),
+    ("auto_resume", "yes", "auto_resume='yes' must be True or False"),
+]
+
+
+def test_the_tables_cover_every_common_argument():
+    assert [case[0] for case in COMMON_TAKEN] == list(CommonArguments.names())
+    assert [case[0] for case in COMMON_REFUSED] == list(CommonArguments.names())
+
+
+@pytest.mark.parametrize("cls", ALL_STRATEGIES, ids=lambda cls: cls.__name__)
+def test_every_strategy_defaults_to_the_common_defaults(cls):
+    strategy = cls()
+    assert strategy.common_arguments == CommonArguments()
+    assert strategy.reliability.options == CommonArguments().reliability_options()
+    assert (
+        strategy.reliability.timeout == CommonArguments().timeout and not strategy.reliability.timeout_given
+    )
+    assert strategy.auto_resume is False
+
+
+@pytest.mark.parametrize("cls", ALL_STRATEGIES, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize(
+    ("name", "value", "read", "expected"), COMMON_TAKEN, ids=[c[0] for c in COMMON_TAKEN]
+)
+def test_every_strategy_keeps_each_common_argument(cls, name, value, read, expected):
+    strategy = cls(**{name: value})
+    assert read(strategy) == expected
+    assert strategy.common_arguments == CommonArguments(**{name: value})
+
+
+@pytest.mark.parametrize("cls", ALL_STRATEGIES, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize(("name", "value", "needle"), COMMON_REFUSED, ids=[c[0] for c in COMMON_REFUSED])
+def test_every_strategy_refuses_a_wrong_common_argument_naming_the_value(cls, name, value, needle):
+    with pytest.raises(ValueError) as err:
+        cls(**{name: value})
+    assert str(err.value).startswith(needle), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "cls", [c for c in ALL_STRATEGIES if c is not HybridShardStrategy], ids=lambda cls: cls.__name__
+)
+def test_every_signature_lists_the_common_arguments_as_common_arguments_declares_them(cls):
+    # HybridShardStrategy takes them through **kwargs, as TransformerFSDPStrategy's (the tests above)
+    params = inspect.signature(cls.__init__).parameters
+    declared = {field.name: field for field in dataclasses.fields(CommonArguments)}
+    listed = [name for name in params if name in declared]
+    assert listed == list(declared), f"{cls.__name__} lists {listed}"
+    for name, field in declared.items():
+        assert params[name].default is field.default or params[name].default == field.default, name
+        assert params[name].annotation == field.type, name
+
+
+def test_auto_strategy_passes_every_common_argument_to_each_candidate():
+    values = {name: value for name, value, _, _ in COMMON_TAKEN}
+    auto = AutoStrategy(**values)
+    for name, cls in CANDIDATES.items():
+        candidate = cls(**auto._kwargs_for(name))
+        assert candidate.common_arguments == auto.common_arguments == CommonArguments(**values), name
+        for _, _, read, expected in COMMON_TAKEN:
+            assert read(candidate) == expected, name

@@ -1,12 +1,18 @@
 """AutoStrategy ("auto_parallel"): picks by the advisor's rules at setup, then behaves exactly as the
 chosen strategy (same losses as that strategy given explicitly, on real gloo ranks).
 
-The model is tests/models.py's Llama in fp32: 22,688 parameters, so DDP's state is 16 x 22,688 =
-363,008 bytes per rank, and its largest block (9,280 parameters) needs 8 x 9,280 = 74,240 bytes of
-parameters and gradients plus its activations. Device memory is set to land on each rule.
+The model is tests/models.py's Llama in fp32. Its parameter counts follow from its layer sizes
+(:data:`PARAMS`, :data:`BLOCK_PARAMS`), its bytes from ZeRO's accounting: in fp32 each parameter keeps
+4 + 4 + 8 bytes (parameter, gradient, Adam's two moments), so DDP's model state per rank is 16 x
+``PARAMS`` and ZeRO-3's over N ranks 16 x ``PARAMS`` / N; one block, gathered for its forward and
+backward, needs ``BLOCK_PARAMS`` x (4 + 4) bytes for its parameters and gradients plus its activations.
+Device memory is set from these to land on each rule.
 """
 
 from __future__ import annotations
+
+import signal
+from datetime import timedelta
 
 import lightning as L
 import pytest
@@ -15,12 +21,35 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader, TensorDataset
 
 import lit_parallel as lp
+from lit_parallel.planner.rules import GB, PRECISIONS
+from lit_parallel.strategies.arguments import CommonArguments
 from tests.harness import launch
-from tests.models import Llama
+from tests.models import Llama, LlamaConfig
+
+CONFIG = LlamaConfig()
+_HEAD_DIM = CONFIG.dim // CONFIG.n_heads
+# wq and wo (dim x heads), wk and wv (dim x kv heads, grouped-query attention), the SwiGLU feed-forward's
+# three matrices (dim x hidden), the two RMSNorm weights
+BLOCK_PARAMS = (
+    2 * CONFIG.dim * CONFIG.n_heads * _HEAD_DIM
+    + 2 * CONFIG.dim * CONFIG.n_kv_heads * _HEAD_DIM
+    + 3 * CONFIG.dim * CONFIG.hidden_dim
+    + 2 * CONFIG.dim
+)
+# the token embedding and the output head (vocab x dim each, not tied), the blocks, the final RMSNorm
+PARAMS = 2 * CONFIG.vocab_size * CONFIG.dim + CONFIG.n_layers * BLOCK_PARAMS + CONFIG.dim
+FP32 = PRECISIONS["32-true"]  # 4 + 4 + 8 bytes per parameter, computing in 4-byte floats
+DDP_STATE_BYTES = PARAMS * FP32.total  # every rank keeps the whole model state
+ZERO3_STATE_BYTES = DDP_STATE_BYTES / 2  # sharded over the 2 ranks of the launched scenarios
+BLOCK_STATE_BYTES = BLOCK_PARAMS * (FP32.compute + FP32.compute)  # one block's parameters and gradients
 
 PLENTY = None  # the machine's RAM / ranks: the whole state fits -> ddp_tuned (rule 1)
-BETWEEN = 0.00025  # 250 kB: less than DDP's 363 kB + activations, more than one block -> fsdp_blocks (rule 5)
-TINY = 0.00005  # 50 kB: less than one block's 74 kB -> tp_dp (rule 2)
+# halfway between ZeRO-3's model state per rank and DDP's: DDP's state alone does not fit, one block (a
+# fraction of ZeRO-3's state) with its activations does -> fsdp_blocks (rule 5)
+BETWEEN = (ZERO3_STATE_BYTES + DDP_STATE_BYTES) / 2 / GB
+# half of one block's parameters and gradients: the block does not fit even without activations -> tp_dp
+# (rule 2)
+TINY = BLOCK_STATE_BYTES / 2 / GB
 
 
 class TokenLM(L.LightningModule):
@@ -163,7 +192,7 @@ def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_
     for rank, r in enumerate(run.scenario(scenario)):
         assert (r["class"], r["recommendation"], r["rule"]) == (cls, name, rule), f"rank {rank}"
         assert len(r["auto_losses"]) == 3
-        assert r["params"] == 22_688  # the whole model measured, also when setup() builds it
+        assert r["params"] == PARAMS  # the whole model measured, also when setup() builds it
         torch.testing.assert_close(
             torch.tensor(r["auto_losses"]), torch.tensor(r["explicit_losses"]), rtol=1e-6, atol=0
         )
@@ -172,10 +201,68 @@ def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_
 @pytest.mark.multiprocess
 @pytest.mark.timeout(360)
 def test_a_model_without_parameters_gets_ddp_tuned_and_validates(run):
-    # 8 samples of (2i, 2i + 1) over 2 ranks, 4 each (the same count): the mean of every value 0..15 is 7.5
+    # 8 samples of (2i, 2i + 1) over 2 ranks, 4 each (the same count): the mean of every value 0..15
     for rank, r in enumerate(run.scenario("no_parameters_validates")):
         assert (r["class"], r["advice"]) == ("TunedDDPStrategy", None), f"rank {rank}"
-        assert r["metrics"] == [{"mean": pytest.approx(7.5)}]
+        assert r["metrics"] == [{"mean": pytest.approx(sum(range(16)) / 16)}]
+
+
+def test_the_parameter_counts_follow_from_the_layer_sizes():
+    model = Llama(CONFIG)
+    assert sum(p.numel() for p in model.parameters()) == PARAMS
+    assert all(sum(p.numel() for p in block.parameters()) == BLOCK_PARAMS for block in model.layers)
+
+
+def _connected(strategy: lp.AutoStrategy, num_nodes: int = 1) -> L.Trainer:
+    """A Trainer of ``num_nodes`` x 2 devices with ``strategy`` and a TokenLM attached and connected, as
+    ``fit`` does before launching ranks: the strategy has chosen, and ``trainer.strategy`` is the chosen one."""
+    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=num_nodes, strategy=strategy, logger=False)
+    model = TokenLM()
+    model.trainer = trainer  # as fit attaches it before connecting
+    trainer.strategy._lightning_module = model
+    trainer.strategy.connect(model)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("memory_gb", "name", "rule"), [(BETWEEN, "fsdp_blocks", 5), (TINY, "tp_dp", 2)], ids=["between", "tiny"]
+)
+def test_the_memory_settings_of_the_launched_scenarios_land_on_their_rules(memory_gb, name, rule):
+    # the same decision the launched scenarios above make on each rank, made here in one process
+    advice = _connected(lp.AutoStrategy(memory_gb=memory_gb)).strategy.advice
+    assert (advice.recommendation, advice.rule.number, advice.params) == (name, rule, PARAMS)
+    assert advice.row("DDP").state_bytes == DDP_STATE_BYTES
+    assert advice.row("FSDP/ZeRO-3").state_bytes == ZERO3_STATE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("memory_gb", "num_nodes", "name"),
+    [
+        (PLENTY, 1, "ddp_tuned"),
+        (TINY, 1, "tp_dp"),
+        (DDP_STATE_BYTES / GB, 2, "hsdp"),  # as in the hsdp test below
+        (BETWEEN, 1, "fsdp_blocks"),
+    ],
+)
+def test_the_chosen_strategy_gets_every_common_argument(memory_gb, num_nodes, name):
+    common = CommonArguments(
+        process_group_backend="gloo",
+        timeout=timedelta(minutes=7),
+        debug_level="detail",
+        watchdog=False,
+        preemption_signal="SIGUSR2",
+        stall_timeout=42,
+        auto_resume=True,
+    )
+    auto = lp.AutoStrategy(memory_gb=memory_gb, **common.as_kwargs())
+    chosen = _connected(auto, num_nodes).strategy
+    assert chosen is auto.chosen and chosen.advice.recommendation == name
+    assert chosen.common_arguments == auto.common_arguments == common
+    assert chosen.process_group_backend == "gloo" and chosen._timeout == timedelta(minutes=7)
+    assert chosen.reliability is not auto.reliability  # its own, built from the same arguments
+    assert chosen.reliability.options == common.reliability_options()
+    assert chosen.reliability.options.preemption_signal == signal.SIGUSR2
+    assert chosen.reliability.timeout == timedelta(minutes=7) and chosen.auto_resume is True
 
 
 def test_auto_parallel_is_registered():
@@ -184,9 +271,12 @@ def test_auto_parallel_is_registered():
 
 
 def test_several_nodes_whose_node_holds_the_sharded_state_get_hsdp_with_its_arguments():
-    # 2 nodes x 2 devices, 300 kB each: DDP 363 kB + activations does not fit; sharded over the 2 devices of
-    # a node (181.5 kB + activations) does.
-    strategy = lp.AutoStrategy(memory_gb=0.0003, strategy_kwargs={"hsdp": {"reshard_after_forward": False}})
+    # 2 nodes x 2 devices, each with DDP's model state in memory: DDP needs that plus activations, which does
+    # not fit; sharded over the 2 devices of a node it needs half of it plus activations, which does.
+    memory_gb = DDP_STATE_BYTES / GB
+    strategy = lp.AutoStrategy(
+        memory_gb=memory_gb, strategy_kwargs={"hsdp": {"reshard_after_forward": False}}
+    )
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy, logger=False)
     launcher, precision = trainer.strategy.launcher, trainer.strategy.precision_plugin
     model = TokenLM()
@@ -198,13 +288,16 @@ def test_several_nodes_whose_node_holds_the_sharded_state_get_hsdp_with_its_argu
     assert s.num_nodes == 2 and s.num_processes == 2 and s.world_size == 4
     assert s._reshard_after_forward is False  # strategy_kwargs["hsdp"] reached it
     assert s.launcher is launcher and s.precision_plugin is precision  # what Lightning set up is kept
+    assert s.advice.row("DDP").state_bytes == DDP_STATE_BYTES
+    assert s.advice.row("HSDP").state_bytes == DDP_STATE_BYTES / 2  # sharded over a node's 2 devices
 
 
 @pytest.mark.parametrize(("precision", "chosen"), [("32-true", "tp_dp"), ("bf16-mixed", "fsdp_blocks")])
 def test_the_decision_follows_the_trainer_precision(precision, chosen):
-    # 80 kB per device. The largest block's parameters + gradients: 9,280 x (4 + 4) = 74,240 bytes in fp32
-    # (plus activations: too much), 9,280 x (2 + 2) = 37,120 bytes in bf16 (plus half the activations: fits).
-    strategy = lp.AutoStrategy(memory_gb=0.00008)
+    # Each device holds exactly the largest block's parameters + gradients in fp32, BLOCK_PARAMS x (4 + 4)
+    # bytes: with its activations that block does not fit; in bf16 it needs BLOCK_PARAMS x (2 + 2) bytes,
+    # half as much, plus its smaller activations, which fits.
+    strategy = lp.AutoStrategy(memory_gb=BLOCK_STATE_BYTES / GB)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, logger=False)
     model = TokenLM()
     model.trainer = trainer  # as fit attaches it before connecting
@@ -212,9 +305,10 @@ def test_the_decision_follows_the_trainer_precision(precision, chosen):
     trainer.strategy.connect(model)
     advice = trainer.strategy.advice
     assert advice.precision == precision and advice.recommendation == chosen
+    assert advice.bytes == PRECISIONS[precision]
     assert (
         advice.block_working_bytes - advice.activations.largest_block_bytes
-        == 9_280 * 2 * advice.bytes.compute
+        == BLOCK_PARAMS * 2 * advice.bytes.compute
     )
 
 
