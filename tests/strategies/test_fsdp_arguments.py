@@ -54,7 +54,7 @@ class _Plain(sc.LitModel):
 
 
 def test_model_without_blocks_is_accepted_and_planned_as_size_based_groups():
-    # issue 12: fsdp_blocks used to refuse this model (NoBlocksFoundError); now it shards size-based groups
+    # a model without repeated blocks: fsdp_blocks shards size-based groups
     trainer = _trainer("fsdp_blocks", devices=1, max_steps=1)
     trainer.strategy.connect(_Plain())  # the block check the strategy runs before launching
     assert not dist.is_initialized()

@@ -1,4 +1,4 @@
-"""Code written for Lightning's strategies keeps working with ours (issue 16): LightningCLI builds every
+"""Code written for Lightning's strategies keeps working with ours: LightningCLI builds every
 strategy from ``class_path`` / ``init_args`` and from its registry name, and a sharded save into a folder
 that is not a checkpoint is refused with the fix, leaving the folder as it was."""
 
