@@ -473,12 +473,21 @@ SMALL_MODELS = [
 SEQ_LEN = {"torch_decoder": 8}  # no configured sequence length
 
 
+def _adamw_state_by_hand(model: nn.Module) -> dict[str, int]:
+    """fp32 AdamW, from the parameters' sizes: 4 bytes per parameter, 4 per gradient, 8 for the two moments
+    and a 4-byte step counter per parameter tensor."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
+
+
 @pytest.mark.timeout(300)
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process():
-    """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting vs the prediction."""
-    from lit_parallel.commands.advise.measure import measure_step
+    """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting and, in the same step,
+    by torch's own MemTracker (tests/memory_reference.py), vs the prediction."""
     from lit_parallel.parallel.blocks import find_transformer_blocks
     from lit_parallel.parallel.example_inputs import meta_example_input, real_inputs, vocabulary
+    from tests.memory_reference import measure_step_with_torch_tracker
 
     errors = {}
     for name, build, shape in SMALL_MODELS:
@@ -496,12 +505,46 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process
             device_type="cpu",
         ).peaks["one_process"]
         ex = meta_example_input(model, batch_size=4, seq_len=SEQ_LEN.get(name), given=given)
-        measured, _ = measure_step(model, real_inputs(ex.args, vocabulary(model)), repeats=1)
-        errors[name] = abs(predicted.total - measured.total) / measured.total
-        # the model state is exact: AdamW's two states and its step counters, the parameters, the gradients
+        by_hand = _adamw_state_by_hand(model)
+        measured, _, by_torch = measure_step_with_torch_tracker(
+            model, real_inputs(ex.args, vocabulary(model)), repeats=1
+        )
+        # the measurement is torch's: the same peak, the same parameters and gradients in it
+        assert measured.total == by_torch["total"], (name, measured, by_torch)
+        assert (measured.by_category["params"], measured.by_category["grads"]) == (
+            by_torch["params"],
+            by_torch["grads"],
+        ), (name, measured, by_torch)
+        errors[name] = abs(predicted.total - by_torch["total"]) / by_torch["total"]
+        # the model state is exact, by hand: AdamW's two states and its step counters, the parameters, the
+        # gradients; predicted and measured
         for part in ("params", "grads", "optimizer"):
-            assert getattr(predicted, part) == measured.by_category[part], (name, part)
+            assert getattr(predicted, part) == measured.by_category[part] == by_hand[part], (name, part)
     assert all(e <= 0.10 for e in errors.values()), errors
+
+
+def test_a_tiny_mlps_state_is_4_4_and_8_bytes_per_parameter_by_hand_predicted_and_measured():
+    """PlainMLP (16 -> 32 -> 32 -> 4), fp32, AdamW: the state written out from the layer sizes."""
+    from tests.memory_reference import measure_step_with_torch_tracker
+    from tests.models import PlainMLP
+
+    n = (16 * 32 + 32) + (32 * 32 + 32) + (32 * 4 + 4)  # 1732 parameters in 6 tensors
+    by_hand = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * 6}
+    torch.manual_seed(0)
+    model = PlainMLP()
+    x = torch.randn(4, 16)
+    report = predict_peaks(
+        model, precision="32-true", devices=2, batch_size=4, example_inputs=x, device_type="cpu"
+    )
+    for strategy in ("one_process", "ddp_tuned"):  # DDP keeps everything on every rank
+        peak = report.peaks[strategy]
+        assert {k: getattr(peak, k) for k in by_hand} == by_hand, strategy
+    measured, _, by_torch = measure_step_with_torch_tracker(model, (x,), repeats=1)
+    assert {k: measured.by_category[k] for k in by_hand} == by_hand
+    assert (by_torch["params"], by_torch["grads"]) == (by_hand["params"], by_hand["grads"])
+    assert measured.total == by_torch["total"]
+    one = report.peaks["one_process"]
+    assert abs(one.total - by_torch["total"]) / by_torch["total"] <= 0.10, (one, by_torch)
 
 
 @pytest.mark.multiprocess
