@@ -422,6 +422,51 @@ def test_live_memory_sorts_the_peak_into_params_grads_optimizer_activations():
     assert live.peak.by_category["grads"] == 8320  # both gradients exist at the end of backward
 
 
+class _Pair(torch.Tensor):
+    """A tensor subclass holding two plain tensors (the shape of torch's own AsyncCollectiveTensor, Float8 or
+    NF4 tensors: a wrapper whose memory is its inner tensors); its ops apply to both."""
+
+    @staticmethod
+    def __new__(cls, a, b):
+        return torch.Tensor._make_wrapper_subclass(cls, a.shape, dtype=a.dtype, device=a.device)
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __tensor_flatten__(self):
+        return ["a", "b"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _Pair(inner["a"], inner["b"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        unwrap = lambda side: [getattr(x, side) if isinstance(x, _Pair) else x for x in args]  # noqa: E731
+        return _Pair(func(*unwrap("a"), **kwargs), func(*unwrap("b"), **kwargs))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="LiveMemory counts a tensor subclass by its wrapper's nominal storage and does not see the inner"
+    " tensors the subclass's own dispatch makes (under tp_dp: AsyncCollectiveTensor); torch's tracker does",
+)
+def test_live_memory_counts_a_tensor_subclass_by_its_inner_tensors():
+    from lit_parallel._compat import MemTracker
+    from tests.memory_reference import torch_peak
+
+    pair = _Pair(torch.ones(256), torch.ones(256))  # made before tracking: 2 x 1 kB
+    tracker = MemTracker()
+    tracker.track_external(pair)
+    with LiveMemory() as live, tracker:
+        doubled = pair * 2  # two new inner tensors of 1 kB; the wrapper holds no memory of its own
+    # torch's tracker: the pair read (2 kB) and the product (2 kB)
+    assert torch_peak(tracker)["total"] == 4 * 1024
+    assert live.peak.total == 4 * 1024, live.peak
+    del doubled
+
+
 def test_live_memory_splits_a_moment_by_what_its_storages_turn_out_to_be():
     w = torch.ones(8, requires_grad=True)  # created outside: counted from the first op that reads it
     with LiveMemory() as live:
@@ -483,8 +528,8 @@ def _adamw_state_by_hand(model: nn.Module) -> dict[str, int]:
 
 @pytest.mark.timeout(300)
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process():
-    """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting and, in the same step,
-    by torch's own MemTracker (tests/memory_reference.py), vs the prediction."""
+    """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting and, in the same
+    step, by torch's own MemTracker (tests/memory_reference.py), vs the prediction."""
     from lit_parallel.parallel.blocks import find_transformer_blocks
     from lit_parallel.parallel.example_inputs import meta_example_input, real_inputs, vocabulary
     from tests.memory_reference import measure_step_with_torch_tracker
@@ -606,6 +651,8 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
 
     One sequence per rank: the blocks are large next to the activations, so FSDP2's flat all-gather
     outputs (two at a block's copy-out), padding and reduce-scatter buffers decide the ZeRO-2 / ZeRO-3 peak.
+    The launch measures with LiveMemory; the same steps are measured by torch's own tracker too in
+    test_real_launches_measure_with_live_memory_what_torchs_tracker_measures_and_predictions_hold_against_it.
     """
     from lit_parallel.commands.advise.measure import LAUNCH_STRATEGIES, hybrid_layout, launch, peak_from
     from lit_parallel.commands.advise.report import predict
@@ -670,6 +717,40 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     assert fsdp < 0.6 * ddp
     # HSDP of one rank per replica shards nothing: every rank keeps the whole optimizer state, as DDP
     assert max(peak_from(d).by_category["optimizer"] for d in res["hsdp"]["peaks"]) == ddp
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_real_launches_measure_with_live_memory_what_torchs_tracker_measures_and_predictions_hold_against_it(
+    torch_tracked,
+):
+    """The launches above measure with LiveMemory, the counter the predictions simulate with. The same steps
+    on 2 real ranks (GPT of one sequence; Llama of 8 under tp_dp), tracked by torch's MemTracker as well
+    (tests/scenarios/advise.py): every rank's peak is torch's (within tests/memory_reference.py's
+    LAUNCH_SLACK), and the predictions are within 10 % of it."""
+    from lit_parallel.commands.advise.report import predict
+    from tests.memory_reference import assert_live_memory_is_torchs
+
+    kw = dict(precision="32-true", seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)
+    gpt = predict("tests.models:GPT", {}, devices=2, nodes=1, batch_size=1, **kw)
+    hybrid = predict("tests.models:GPT", {}, devices=1, nodes=2, batch_size=1, **kw)  # hsdp: 2 replicas of 1
+    llama = predict("tests.conformance_models:llama", {}, devices=2, nodes=1, batch_size=8, **kw)
+    cases = {
+        "gpt/ddp_tuned": gpt,
+        "gpt/zero2": gpt,
+        "gpt/fsdp_blocks": gpt,
+        "gpt/hsdp": hybrid,
+        "llama/tp_dp": llama,
+    }
+    for case, pred in cases.items():
+        ranks = torch_tracked[case]
+        assert_live_memory_is_torchs(case, ranks)
+        measured = max(r["torch"]["total"] for r in ranks)
+        predicted = pred.report.peaks[case.split("/")[1]].total
+        print(
+            f"{case}: predicted {predicted:,} bytes, torch measured {measured:,} ({predicted / measured - 1:+.1%})"
+        )
+        assert abs(predicted - measured) / measured <= 0.10, (case, predicted, measured)
 
 
 def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead_attention():
