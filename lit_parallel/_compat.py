@@ -116,6 +116,12 @@ ENTRIES: dict[str, Entry] = {
         "checkpoint.load_sharded: load into one process without a process group",
         "dcp.load(no_dist=True) warns and fills only keys already in the state dict (ours starts empty)",
     ),
+    "MemTracker": Entry(
+        "torch.distributed._tools.mem_tracker:MemTracker",
+        "tests (tests/memory_reference.py): torch's own count of a step's live tensor memory, the"
+        " independent reference measure/live_memory.LiveMemory is checked against",
+        "torch.cuda.max_memory_allocated (CUDA only: torch keeps no allocator statistics for CPU memory)",
+    ),
     # --- torch: accessors -----------------------------------------------------------------------------
     "all_process_groups": Entry(
         f"{_C10D}:_world", "reliability: every process group of this rank", attributes=("pg_map",)

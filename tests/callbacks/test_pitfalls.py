@@ -148,6 +148,9 @@ def run(tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scenario", ["healthy", "fsdp_healthy"])
 def test_healthy_run_is_silent(run, scenario):
+    # a healthy run that only timing checks flagged ran once more (tests/scenarios/callbacks_pitfalls.py:
+    # _healthy): load from outside the run can push a wall-clock share over its limit once, not each time
+    print(f"{scenario}: retried after {run.scenario(scenario)[0].get('retried_after', 'nothing')}")
     for out in run.scenario(scenario):
         # mode="raise": any problem would have stopped the run on every rank
         assert out["raised"] is None, out["table"]
@@ -173,8 +176,15 @@ def test_divergence_lr_data_and_augmentation_detectors_fire(run):
     assert "input_mean" in evidence["parameter/buffer divergence"]
     assert "linear rule gives 0.1 (actual/expected = 0.50)" in evidence["learning-rate scaling"]
     assert "start the epoch with the same random state" in evidence["random augmentation"]
-    shares = [int(s) for s in re.findall(r"rank \d+ (\d+)%", evidence["data loading"])]
-    assert len(shares) == 2 and min(shares) > 30, evidence["data loading"]
+    # each rank's share of step time waiting for data, as the detector measured it (whole percent) and as the
+    # scenario measured it (time inside the dataset's __getitem__ between the first and last step starts);
+    # both over the 10 % limit
+    shares = {int(r): int(v) / 100 for r, v in re.findall(r"rank (\d+) (\d+)%", evidence["data loading"])}
+    assert sorted(shares) == [0, 1], evidence["data loading"]
+    print(f"waiting for data: detector {shares}, scenario {[o['loading_share'] for o in (rank0, rank1)]}")
+    for rank, out in enumerate((rank0, rank1)):
+        assert abs(shares[rank] - out["loading_share"]) <= 0.06, (rank, shares, out["loading_share"])
+        assert shares[rank] > PitfallReport().data_wait_limit, evidence["data loading"]
     assert "lit_parallel.scaled_learning_rate(0.05, 512, 1024, rule='linear') = 0.1" in rank0["raised"]
 
 
@@ -222,8 +232,15 @@ def test_wait_timer_times_blocking_and_waited_collectives_once(run):
         step, threaded = out["waits"]
         # blocking all-reduce, barrier's wait, the async all-reduce's wait; nothing on the other thread
         assert len(step) == 3 and threaded == []
-    # rank 0 arrived 0.3 s early: it waited for rank 1; rank 1 waited for the transfer only
-    assert rank0["waits"][0][0] > 0.25 and rank1["waits"][0][0] < 0.1
+    # rank 0 arrived about a second early (the time stamps the scenario took around the blocking all-reduce):
+    # it waited for rank 1, rank 1 for the transfer only. Each timed wait lies inside its own call, rank 0's
+    # covers most of the time until rank 1 arrived, rank 1's is a small part of it
+    late = rank1["arrived"] - rank0["arrived"]
+    assert late > 0 and rank1["arrived"] < rank0["returned"], (rank0, rank1)
+    for out in (rank0, rank1):
+        assert out["waits"][0][0] <= out["returned"] - out["arrived"], out
+    assert rank0["waits"][0][0] > late / 2 > rank1["waits"][0][0], (late, rank0["waits"], rank1["waits"])
     assert rank0["spans"][0] >= sum(rank0["waits"][0])
     windows = [[Window(s, sum(w), tuple(w)) for s, w in zip(o["spans"], o["waits"])] for o in (rank0, rank1)]
-    assert transfer_waits(windows)[0] < 0.1
+    # the transfers themselves: what the last rank to arrive waited, never the first one's wait for it
+    assert transfer_waits(windows)[0] <= sum(rank1["waits"][0]) and transfer_waits(windows)[0] < late / 2

@@ -99,7 +99,8 @@ def _check_memory(out):
     assert 6 * 4 * 2 * block < measured[("128", "pp_dp")] < 1.06 * 6 * 4 * 2 * block
     pp = [r for r in rows if r["strategy"] == "pp_dp"]
     assert all(float(r["measured_optimizer"]) > 0 and float(r["measured_activations"]) > 0 for r in pp)
-    # the planner: DDP, TP and PP within 10 %; FSDP2's buffers on these toy blocks within 15 % (docs/lab/memory.md)
+    # the planner: DDP, TP and PP within 10 %; FSDP2's buffers on these toy blocks within 15 %
+    # (docs/lab/memory.md); against torch's own tracker: test_lab_memory_predictions_hold_against_torchs_...
     for r in rows:
         bound = 0.10 if r["strategy"] in ("ddp_tuned", "hsdp", "tp_dp", "pp_dp") else 0.15
         assert float(r["error"]) <= bound, (r["width"], r["strategy"], r["error"])
@@ -135,3 +136,24 @@ def test_every_experiment_runs_at_its_smallest_size_and_plots_what_it_is_about(t
     _check_communication(tmp_path)
     _check_memory(tmp_path)
     _check_unused(tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_lab_memory_predictions_hold_against_torchs_tracker_on_the_lab_models(torch_tracked):
+    """The lab's memory rows compare the prediction with LiveMemory, the counter the prediction simulates
+    with. The lab's models under the same strategies on 2 real ranks, tracked by torch's MemTracker as well
+    (tests/scenarios/advise.py): every rank's peak is torch's, and the lab's predictions are within the lab's
+    bounds of it."""
+    from lit_parallel.commands.lab.memory import predicted
+    from tests.memory_reference import assert_live_memory_is_torchs
+
+    for width in (32, 128):
+        for strategy in ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp"):
+            case = f"block_mlp_{width}/{strategy}"
+            ranks = torch_tracked[case]
+            assert_live_memory_is_torchs(case, ranks)
+            measured = max(r["torch"]["total"] for r in ranks)
+            bound = 0.10 if strategy in ("ddp_tuned", "hsdp", "tp_dp") else 0.15  # as _check_memory
+            error = abs(predicted(width)[strategy] - measured) / measured
+            assert error <= bound, (case, predicted(width)[strategy], measured)

@@ -1,4 +1,5 @@
-"""Scenarios for ``lit-parallel advise --verify``'s launch (tests/planner/time/test_calibration.py)."""
+"""Scenarios for ``lit-parallel advise --verify``'s launch (tests/planner/time/test_calibration.py), and its
+measured steps under torch's own memory tracker (tests/commands/conftest.py)."""
 
 from __future__ import annotations
 
@@ -96,4 +97,48 @@ def fsdp_cost_timer(ctx) -> dict:
     # slower than rank 0's
     timer.samples = [[x * 1e-3 for x in (12 + dist.get_rank(), 30, 60, 1, 2, 7)]]
     out["made_up"] = timer.costs()
+    return out
+
+
+def memory_with_torch_tracker(ctx) -> dict:
+    """The steps ``advise --verify`` and ``lit-parallel lab memory`` measure on 2 ranks, built as they build
+    them, each measured by LiveMemory and by torch's MemTracker at once (tests/memory_reference.py): GPT (one
+    sequence) under ddp_tuned, ZeRO-2, fsdp_blocks and hsdp, Hugging Face's Llama (8 sequences) under tp_dp,
+    the lab's BlockMLP of widths 32 and 128 (16 samples) under all five. pp_dp is left out: torch's tracker
+    refuses a module run more than once in a step (a pipeline stage runs once per micro-batch)."""
+    import torch
+
+    from lit_parallel.commands.advise.measure import peak_dict, strategy_object
+    from lit_parallel.commands.lab.memory import BATCH, BlockMLP
+    from lit_parallel.parallel.example_inputs import meta_example_input, real_inputs, vocabulary
+    from tests import conformance_models, models
+    from tests.memory_reference import measure_step_with_torch_tracker
+
+    def tokens(build, batch):  # as advise --verify's launch makes its model and input
+        def make():
+            model = build()
+            ex = meta_example_input(model, batch_size=batch, seq_len=None)
+            return model, real_inputs(ex.args, vocabulary(model))
+
+        return make
+
+    def block_mlp(width):  # as the lab makes them
+        return lambda: (BlockMLP(width), (torch.randn(BATCH, width),))
+
+    five = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
+    cases = {
+        "gpt": (tokens(models.GPT, 1), five[:4]),
+        "llama": (tokens(conformance_models.llama, 8), ("tp_dp",)),
+        "block_mlp_32": (block_mlp(32), five),
+        "block_mlp_128": (block_mlp(128), five),
+    }
+    out = {}
+    for name, (make, strategies) in cases.items():
+        for strategy in strategies:
+            torch.manual_seed(0)
+            model, inputs = make()
+            peak, _, by_torch = measure_step_with_torch_tracker(
+                model, inputs, strategy=strategy_object(strategy, 2), devices=2, repeats=1
+            )
+            out[f"{name}/{strategy}"] = {"live": peak_dict(peak), "torch": by_torch}
     return out

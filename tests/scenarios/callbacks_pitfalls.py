@@ -8,6 +8,7 @@ import time
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
 from lit_parallel.callbacks import (
@@ -23,21 +24,48 @@ BASE_LR = 0.05
 
 
 class BatchedData(Dataset):
-    """Whole batches per item (one __getitem__ per step keeps loading cheap), with random noise added."""
+    """Whole batches per item (one __getitem__ per step keeps loading cheap), with random noise added.
+    ``calls``: each ``__getitem__``'s start and end (``time.perf_counter()``), measured here."""
 
     def __init__(self, n_batches: int, batch: int, dim: int, sleep_s: float = 0.0):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n_batches, batch, dim, generator=g)
         self.y = torch.randn(n_batches, batch, 1, generator=g)
         self.sleep_s = sleep_s
+        self.calls: list[tuple[float, float]] = []
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
+        start = time.perf_counter()
         if self.sleep_s:
             time.sleep(self.sleep_s)
-        return self.x[i] + 0.01 * torch.randn(self.x[i].shape), self.y[i]
+        item = self.x[i] + 0.01 * torch.randn(self.x[i].shape), self.y[i]
+        self.calls.append((start, time.perf_counter()))
+        return item
+
+
+class StepStarts(Callback):
+    """When each training step starts (``time.perf_counter()``), measured here."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(time.perf_counter())
+
+
+def loading_share(data: BatchedData, steps: StepStarts) -> float:
+    """This rank's share of the time from its first step's start to its last's spent in ``__getitem__``."""
+    first, last = steps.starts[0], steps.starts[-1]
+    inside = sum(end - start for start, end in data.calls if first <= start and end <= last)
+    return inside / (last - first)
+
+
+# the straggler's extra time: this many times its own forward pass of the step (so the slowdown is the same
+# factor whatever the machine's load: compute ~3 forwards, the straggler's steps ~2x the others')
+SLOW_FACTOR = 3.0
 
 
 class MLP(L.LightningModule):
@@ -67,19 +95,22 @@ class MLP(L.LightningModule):
         if self.rank_local_buffer:
             # a running statistic of this rank's data only: it drifts apart across ranks
             self.input_mean.mul_(0.9).add_(0.1 * x.mean(0))
-        if self.slow_rank is not None and dist.get_rank() == self.slow_rank:
-            time.sleep(0.06)
+        start = time.perf_counter()
         h = torch.tanh(self.inp(x))
         for _ in range(self.repeat):
             h = torch.tanh(self.hidden(h))
-        return torch.nn.functional.mse_loss(self.out(h), y)
+        loss = torch.nn.functional.mse_loss(self.out(h), y)
+        if self.slow_rank is not None and dist.get_rank() == self.slow_rank:
+            time.sleep(SLOW_FACTOR * (time.perf_counter() - start))
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def _run(ctx, module, data, report, **trainer_kwargs) -> dict:
-    trainer = make_trainer(ctx, callbacks=[report], max_epochs=1, **trainer_kwargs)
+    steps = StepStarts()
+    trainer = make_trainer(ctx, callbacks=[report, steps], max_epochs=1, **trainer_kwargs)
     raised = None
     with captured_warnings(ParallelTrainingWarning) as caught:
         try:
@@ -95,6 +126,7 @@ def _run(ctx, module, data, report, **trainer_kwargs) -> dict:
         "table": table,
         "warnings": caught,
         "raised": raised,
+        "loading_share": loading_share(data, steps),
     }
 
 
@@ -103,11 +135,30 @@ def _run(ctx, module, data, report, **trainer_kwargs) -> dict:
 DIM, HIDDEN, REPEAT, BATCH = 128, 256, 8, 512
 
 
+TIMING_CHECKS = {"data loading", "exposed communication", "stragglers"}
+
+
+def _healthy(run) -> dict:
+    """A healthy run (``run()``), judged with the default limits and ``mode="raise"``. The timing checks judge
+    wall-clock shares and ratios, which load from outside the run (other processes on a shared machine) can
+    push over a limit: a run whose only problems are timing ones runs once more, and the second run stands
+    (``retried_after`` names the first's problems). A detector that fires on a healthy run every time still
+    fails; any other problem is never retried. Every rank judges the same gathered figures, so all retry."""
+    out = run()
+    problems = {check for check, status in out["status"].items() if status == "problem"}
+    if problems and problems <= TIMING_CHECKS:
+        out = {**run(), "retried_after": sorted(problems)}
+    return out
+
+
 def healthy(ctx) -> dict:
-    lr = scaled_learning_rate(BASE_LR, BATCH, BATCH * ctx.world_size, rule="linear")
-    module = MLP(DIM, HIDDEN, REPEAT, lr, seed_per_rank=True)
-    report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
-    return _run(ctx, module, BatchedData(24, BATCH, DIM), report)
+    def run():
+        lr = scaled_learning_rate(BASE_LR, BATCH, BATCH * ctx.world_size, rule="linear")
+        module = MLP(DIM, HIDDEN, REPEAT, lr, seed_per_rank=True)
+        report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
+        return _run(ctx, module, BatchedData(24, BATCH, DIM), report)
+
+    return _healthy(run)
 
 
 def faulty_model_and_data(ctx) -> dict:
@@ -158,22 +209,27 @@ class BlockNet(MLP):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        if self.slow_rank is not None and dist.get_rank() == self.slow_rank:
-            time.sleep(0.06)
+        start = time.perf_counter()  # the straggler arrives last at forward's gathers: it waits only for them
         h = self.inp(x)
         for block in self.blocks:
             h = block(h)
-        return torch.nn.functional.mse_loss(self.out(h).mean(-2) if h.dim() == 3 else self.out(h), y)
+        loss = torch.nn.functional.mse_loss(self.out(h).mean(-2) if h.dim() == 3 else self.out(h), y)
+        if self.slow_rank is not None and dist.get_rank() == self.slow_rank:
+            time.sleep(SLOW_FACTOR * (time.perf_counter() - start))
+        return loss
 
 
 def fsdp_healthy(ctx) -> dict:
     """fsdp_blocks on a compute-bound model: ~0.5 MB of parameters, 512 samples x 12 passes per block."""
     from lit_parallel import TransformerFSDPStrategy
 
-    lr = scaled_learning_rate(BASE_LR, BATCH, BATCH * ctx.world_size, rule="linear")
-    module = BlockNet(DIM, HIDDEN, HIDDEN, 2, 12, lr)
-    report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
-    return _run(ctx, module, BatchedData(12, BATCH, DIM), report, strategy=TransformerFSDPStrategy())
+    def run():
+        lr = scaled_learning_rate(BASE_LR, BATCH, BATCH * ctx.world_size, rule="linear")
+        module = BlockNet(DIM, HIDDEN, HIDDEN, 2, 12, lr)
+        report = PitfallReport(base_lr=BASE_LR, base_batch_size=BATCH, check_every_n_steps=4, mode="raise")
+        return _run(ctx, module, BatchedData(12, BATCH, DIM), report, strategy=TransformerFSDPStrategy())
+
+    return _healthy(run)
 
 
 def fsdp_faulty_communication(ctx) -> dict:
@@ -207,9 +263,10 @@ def tp_faulty_communication(ctx) -> dict:
 
 
 def wait_timer(ctx) -> dict:
-    """CollectiveWaitTimer without Lightning: rank 1 arrives 0.3 s late at a blocking all-reduce, then an
+    """CollectiveWaitTimer without Lightning: rank 1 arrives ~1 s late at a blocking all-reduce, then an
     asynchronous all-reduce is waited on inside an outer timed wait (counted once), then a collective on
-    another thread (not timed)."""
+    another thread (not timed). ``arrived`` / ``returned``: ``time.perf_counter()`` just before and after the
+    blocking all-reduce, measured here."""
     import threading
 
     from lit_parallel.measure.waits import CollectiveWaitTimer
@@ -221,8 +278,10 @@ def wait_timer(ctx) -> dict:
     dist.barrier()  # outside the window: the ranks start it together
     timer.open()
     if ctx.rank == 1:
-        time.sleep(0.3)
+        time.sleep(1.0)
+    arrived = time.perf_counter()  # the timer's clock (CLOCK_MONOTONIC: one clock for the whole machine)
     dist.all_reduce(t)
+    returned = time.perf_counter()
     work = dist.all_reduce(t, async_op=True)
     dist.barrier(async_op=True).wait()
     work.wait()
@@ -241,4 +300,6 @@ def wait_timer(ctx) -> dict:
         "spans": [w.span for w in windows],
         "waits": [list(w.waits) for w in windows],
         "sum": t[0].item(),
+        "arrived": arrived,
+        "returned": returned,
     }

@@ -335,6 +335,15 @@ def _fresh_process_group(tag: str) -> None:
     )
 
 
+def _hang_mark(ctx, tag: str) -> Path:
+    """Where the rank that starts case ``tag``'s hang writes the moment it starts (``time.time()``)."""
+    return Path(ctx.args.get("dir", ctx.outdir)) / f"{tag}_hang_started"
+
+
+def _mark_now(path: Path) -> None:
+    path.write_text(f"{time.time():.6f}")
+
+
 def _wait_for(path: Path, limit: float) -> None:
     deadline = time.monotonic() + limit
     while not path.exists() and time.monotonic() < deadline:
@@ -362,14 +371,16 @@ class StuckDataset(Dataset):
         self.calls += 1
         if dist.get_rank() == self.rank and self.calls == self.at:
             if self.mark is not None:
-                self.mark.write_text(f"{time.time():.6f}")
+                _mark_now(self.mark)
             _wait_for(self.release, self.limit)
         return self.base[i]
 
 
 def _hang_case(ctx, tag: str, name: str, model, data, release: Path) -> dict:
     """Run one hang; the error is caught so the next case runs in the same processes. The result is also
-    written to ``args["dir"]``: the launch's last case fails on purpose, which loses returned results."""
+    written to ``args["dir"]``: the launch's last case fails on purpose, which loses returned results.
+    ``elapsed``: seconds from the start of ``fit`` to its error; ``since_hang``: from the moment the hang
+    started (:func:`_hang_mark`, written by the rank that starts it) to this rank's error."""
     _fresh_process_group(tag)
     start = time.monotonic()
     err = None
@@ -377,11 +388,13 @@ def _hang_case(ctx, tag: str, name: str, model, data, release: Path) -> dict:
         trainer(ctx, make_strategy(name, timeout=timedelta(seconds=TIMEOUT_S)), max_epochs=1).fit(model, data)
     except Exception as e:  # noqa: BLE001
         err = f"{type(e).__name__}: {e}"
-    elapsed = time.monotonic() - start
+    elapsed, ended = time.monotonic() - start, time.time()
     if ctx.rank == 0:
         release.write_text("go")
     _wait_for(release, 60)
-    result = {"error": err, "elapsed": elapsed}
+    mark = _hang_mark(ctx, tag)  # written before the hang, so before the release
+    since_hang = ended - float(mark.read_text()) if mark.exists() else None
+    result = {"error": err, "elapsed": elapsed, "since_hang": since_hang}
     torch.save(result, Path(ctx.args["dir"]) / f"{tag}_rank{ctx.rank}.pt")
     return result
 
@@ -390,7 +403,10 @@ def hang_in_data_loading(ctx) -> dict:
     """ddp_tuned: rank 1 blocks while loading its third batch; rank 0 waits in backward's all-reduce."""
     release = Path(ctx.outdir) / "release_data"
     data = DataLoader(
-        StuckDataset(lm_dataset(n=N_SAMPLES), 1, at=5, release=release, limit=60), batch_size=BATCH
+        StuckDataset(
+            lm_dataset(n=N_SAMPLES), 1, at=5, release=release, limit=60, mark=_hang_mark(ctx, "data")
+        ),
+        batch_size=BATCH,
     )
     return _hang_case(ctx, "data", "ddp_tuned", NoisyLlama(), data, release)
 
@@ -403,6 +419,7 @@ def skipped_backward(ctx) -> dict:
 
     def skip(module, batch, batch_idx):
         if batch_idx == 1 and module.global_rank == 1:
+            _mark_now(_hang_mark(ctx, "skip"))
             module.model(batch[0])
             return torch.zeros((), requires_grad=True)
         return None
@@ -419,6 +436,7 @@ def collective_on_one_rank(ctx) -> dict:
 
     def log_on_rank0(module, batch, batch_idx):
         if batch_idx == 1 and module.global_rank == 0:
+            _mark_now(_hang_mark(ctx, "sync"))
             module.log("rank0_only", torch.tensor(1.0), sync_dist=True)
         return None
 
@@ -434,6 +452,7 @@ def stuck_in_training_step(ctx) -> dict:
 
     def block(module, batch, batch_idx):
         if batch_idx == 1 and module.global_rank == 1:
+            _mark_now(_hang_mark(ctx, "tp"))
             _wait_for(release, 60)
         return None
 
@@ -466,7 +485,11 @@ def _caught_fit(ctx, strategy, model, data, **kw) -> dict:
         t.fit(model, data)
         return {"error": None, "elapsed": time.monotonic() - start, "world": t.world_size}
     except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {e}", "elapsed": time.monotonic() - start}
+        return {
+            "error": f"{type(e).__name__}: {e}",
+            "elapsed": time.monotonic() - start,
+            "ended": time.time(),
+        }
 
 
 def recovery_under_lightning_launcher(ctx) -> dict:
@@ -498,6 +521,7 @@ def recovery_under_lightning_launcher(ctx) -> dict:
 
     def block(module, batch, batch_idx):
         if batch_idx == 1 and module.global_rank == 1:
+            _mark_now(_hang_mark(ctx, "lightning"))
             _wait_for(release, 60)
         return None
 
@@ -508,6 +532,10 @@ def recovery_under_lightning_launcher(ctx) -> dict:
     if rank == 0:
         release.write_text("go")
     _wait_for(release, 60)
+    if "ended" in out["timeout"]:  # from the moment rank 1 started to block (written before the release)
+        out["timeout"]["since_hang"] = out["timeout"]["ended"] - float(
+            _hang_mark(ctx, "lightning").read_text()
+        )
     # both ranks must have left the failed run before the next one rendezvouses
     (Path(ctx.outdir) / f"left_{rank}").write_text("x")
     for r in range(ctx.nprocs):

@@ -423,6 +423,51 @@ def test_live_memory_sorts_the_peak_into_params_grads_optimizer_activations():
     assert live.peak.by_category["grads"] == 8320  # both gradients exist at the end of backward
 
 
+class _Pair(torch.Tensor):
+    """A tensor subclass holding two plain tensors (the shape of torch's own AsyncCollectiveTensor, Float8 or
+    NF4 tensors: a wrapper whose memory is its inner tensors); its ops apply to both."""
+
+    @staticmethod
+    def __new__(cls, a, b):
+        return torch.Tensor._make_wrapper_subclass(cls, a.shape, dtype=a.dtype, device=a.device)
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __tensor_flatten__(self):
+        return ["a", "b"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _Pair(inner["a"], inner["b"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        unwrap = lambda side: [getattr(x, side) if isinstance(x, _Pair) else x for x in args]  # noqa: E731
+        return _Pair(func(*unwrap("a"), **kwargs), func(*unwrap("b"), **kwargs))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="LiveMemory counts a tensor subclass by its wrapper's nominal storage and does not see the inner"
+    " tensors the subclass's own dispatch makes (under tp_dp: AsyncCollectiveTensor); torch's tracker does",
+)
+def test_live_memory_counts_a_tensor_subclass_by_its_inner_tensors():
+    from lit_parallel._compat import MemTracker
+    from tests.memory_reference import torch_peak
+
+    pair = _Pair(torch.ones(256), torch.ones(256))  # made before tracking: 2 x 1 kB
+    tracker = MemTracker()
+    tracker.track_external(pair)
+    with LiveMemory() as live, tracker:
+        doubled = pair * 2  # two new inner tensors of 1 kB; the wrapper holds no memory of its own
+    # torch's tracker: the pair read (2 kB) and the product (2 kB)
+    assert torch_peak(tracker)["total"] == 4 * 1024
+    assert live.peak.total == 4 * 1024, live.peak
+    del doubled
+
+
 def test_live_memory_splits_a_moment_by_what_its_storages_turn_out_to_be():
     w = torch.ones(8, requires_grad=True)  # created outside: counted from the first op that reads it
     with LiveMemory() as live:
@@ -475,12 +520,21 @@ SMALL_MODELS = [
 SEQ_LEN = {"torch_decoder": 8}  # no configured sequence length
 
 
+def _adamw_state_by_hand(model: nn.Module) -> dict[str, int]:
+    """fp32 AdamW, from the parameters' sizes: 4 bytes per parameter, 4 per gradient, 8 for the two moments
+    and a 4-byte step counter per parameter tensor."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
+
+
 @pytest.mark.timeout(300)
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process():
-    """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting vs the prediction."""
-    from lit_parallel.commands.advise.measure import measure_step
+    """A real lightning.Trainer step (AdamW, 32-true) measured by live-storage accounting and, in the same
+    step, by torch's own MemTracker (tests/memory_reference.py), vs the prediction."""
     from lit_parallel.parallel.blocks import find_transformer_blocks
     from lit_parallel.parallel.example_inputs import meta_example_input, real_inputs, vocabulary
+    from tests.memory_reference import measure_step_with_torch_tracker
 
     errors = {}
     for name, build, shape in SMALL_MODELS:
@@ -498,12 +552,98 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process
             device_type="cpu",
         ).peaks["one_process"]
         ex = meta_example_input(model, batch_size=4, seq_len=SEQ_LEN.get(name), given=given)
-        measured, _ = measure_step(model, real_inputs(ex.args, vocabulary(model)), repeats=1)
-        errors[name] = abs(predicted.total - measured.total) / measured.total
-        # the model state is exact: AdamW's two states and its step counters, the parameters, the gradients
+        by_hand = _adamw_state_by_hand(model)
+        measured, _, by_torch = measure_step_with_torch_tracker(
+            model, real_inputs(ex.args, vocabulary(model)), repeats=1
+        )
+        # the measurement is torch's: the same peak, the same parameters and gradients in it
+        assert measured.total == by_torch["total"], (name, measured, by_torch)
+        assert (measured.by_category["params"], measured.by_category["grads"]) == (
+            by_torch["params"],
+            by_torch["grads"],
+        ), (name, measured, by_torch)
+        errors[name] = abs(predicted.total - by_torch["total"]) / by_torch["total"]
+        # the model state is exact, by hand: AdamW's two states and its step counters, the parameters, the
+        # gradients; predicted and measured
         for part in ("params", "grads", "optimizer"):
-            assert getattr(predicted, part) == measured.by_category[part], (name, part)
+            assert getattr(predicted, part) == measured.by_category[part] == by_hand[part], (name, part)
     assert all(e <= 0.10 for e in errors.values()), errors
+
+
+def test_a_tiny_mlps_state_is_4_4_and_8_bytes_per_parameter_by_hand_predicted_and_measured():
+    """PlainMLP (16 -> 32 -> 32 -> 4), fp32, AdamW: the state written out from the layer sizes."""
+    from tests.memory_reference import measure_step_with_torch_tracker
+    from tests.models import PlainMLP
+
+    n = (16 * 32 + 32) + (32 * 32 + 32) + (32 * 4 + 4)  # 1732 parameters in 6 tensors
+    by_hand = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * 6}
+    torch.manual_seed(0)
+    model = PlainMLP()
+    x = torch.randn(4, 16)
+    report = predict_peaks(
+        model, precision="32-true", devices=2, batch_size=4, example_inputs=x, device_type="cpu"
+    )
+    for strategy in ("one_process", "ddp_tuned"):  # DDP keeps everything on every rank
+        peak = report.peaks[strategy]
+        assert {k: getattr(peak, k) for k in by_hand} == by_hand, strategy
+    measured, _, by_torch = measure_step_with_torch_tracker(model, (x,), repeats=1)
+    assert {k: measured.by_category[k] for k in by_hand} == by_hand
+    assert (by_torch["params"], by_torch["grads"]) == (by_hand["params"], by_hand["grads"])
+    assert measured.total == by_torch["total"]
+    one = report.peaks["one_process"]
+    assert abs(one.total - by_torch["total"]) / by_torch["total"] <= 0.10, (one, by_torch)
+
+
+def _median_step_seconds(model: nn.Module, inputs: tuple, repeats: int = 12) -> float:
+    """The median of ``repeats - 1`` real lightning.Trainer steps (measure_step's loop), each timed here by a
+    stopwatch read after every step (``between``): from the end of one step to the end of the next."""
+    import statistics
+    import time
+
+    from lit_parallel.commands.advise.measure import measure_step
+
+    ends: list[float] = []
+    measure_step(model, inputs, repeats=repeats, between=lambda: ends.append(time.perf_counter()))
+    assert len(ends) == repeats
+    return statistics.median(b - a for a, b in zip(ends, ends[1:]))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("path", "kwargs", "batch", "shape", "dominant"),
+    [
+        ("tests.models:GPT", {}, 64, None, "compute_s"),  # 64 sequences of 16 tokens: compute ~90 %
+        # 1.6M parameters, one sample: AdamW's update ~85 %
+        ("tests.models:PlainMLP", {"d_in": 512, "hidden": 1024, "d_out": 512}, 1, (512,), "optimizer_s"),
+    ],
+)
+def test_predicted_step_time_is_within_a_factor_3_of_real_steps_in_one_process(
+    path, kwargs, batch, shape, dominant
+):
+    """`advise`'s one-process step time (compute + AdamW + Lightning's per-step overhead, its parts timed
+    here) against the median of real steps of the same model and batch. Each model's step is mostly one term,
+    so a term left out (or a unit wrong: ms for s) takes the prediction out of 1/3x-3x, which the noise of a
+    loaded 2-core machine does not."""
+    from lit_parallel.commands.advise.report import predict
+    from lit_parallel.parallel.example_inputs import meta_example_input, real_inputs, vocabulary
+    from lit_parallel.planner.model_summary import load_model_class
+
+    torch.manual_seed(0)
+    model = load_model_class(path)(**kwargs)
+    given = torch.empty(batch, *shape, device="meta") if shape else None
+    inputs = real_inputs(meta_example_input(model, batch_size=batch, given=given).args, vocabulary(model))
+    # measured before and after the prediction is timed: a burst of load elsewhere only ever adds time
+    before = _median_step_seconds(model, inputs)
+    pred = predict(path, kwargs, precision="32-true", devices=1, nodes=1, batch_size=batch, seq_len=None,
+                   device_type="cpu", step_time=True, busbw_gbps=None, input_shape=shape)  # fmt: skip
+    measured = min(before, _median_step_seconds(model, inputs))
+    step = pred.step_s("one_process")
+    assert step["comm_s"] is None and pred.overhead_s > 0
+    # the terms add up to the step, and the model is the case it stands for
+    assert step["step_s"] == pytest.approx(step["compute_s"] + step["optimizer_s"] + pred.overhead_s)
+    assert step[dominant] > 2 / 3 * step["step_s"], step
+    print(f"{path} batch {batch}: predicted {step['step_s'] * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms")
+    assert 1 / 3 <= step["step_s"] / measured <= 3, (step, pred.overhead_s, measured)
 
 
 @pytest.mark.multiprocess
@@ -513,6 +653,8 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
 
     One sequence per rank: the blocks are large next to the activations, so FSDP2's flat all-gather
     outputs (two at a block's copy-out), padding and reduce-scatter buffers decide the ZeRO-2 / ZeRO-3 peak.
+    The launch measures with LiveMemory; the same steps are measured by torch's own tracker too in
+    test_real_launches_measure_with_live_memory_what_torchs_tracker_measures_and_predictions_hold_against_it.
     """
     from lit_parallel.commands.advise.measure import LAUNCH_STRATEGIES, hybrid_layout, launch, peak_from
     from lit_parallel.commands.advise.report import predict
@@ -607,6 +749,40 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     assert fsdp < 0.6 * ddp
     # HSDP of one rank per replica shards nothing: every rank keeps the whole optimizer state, as DDP
     assert max(peak_from(d).by_category["optimizer"] for d in res["hsdp"]["peaks"]) == ddp
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_real_launches_measure_with_live_memory_what_torchs_tracker_measures_and_predictions_hold_against_it(
+    torch_tracked,
+):
+    """The launches above measure with LiveMemory, the counter the predictions simulate with. The same steps
+    on 2 real ranks (GPT of one sequence; Llama of 8 under tp_dp), tracked by torch's MemTracker as well
+    (tests/scenarios/advise.py): every rank's peak is torch's (within tests/memory_reference.py's
+    LAUNCH_SLACK), and the predictions are within 10 % of it."""
+    from lit_parallel.commands.advise.report import predict
+    from tests.memory_reference import assert_live_memory_is_torchs
+
+    kw = dict(precision="32-true", seq_len=None, device_type="cpu", step_time=False, busbw_gbps=None)
+    gpt = predict("tests.models:GPT", {}, devices=2, nodes=1, batch_size=1, **kw)
+    hybrid = predict("tests.models:GPT", {}, devices=1, nodes=2, batch_size=1, **kw)  # hsdp: 2 replicas of 1
+    llama = predict("tests.conformance_models:llama", {}, devices=2, nodes=1, batch_size=8, **kw)
+    cases = {
+        "gpt/ddp_tuned": gpt,
+        "gpt/zero2": gpt,
+        "gpt/fsdp_blocks": gpt,
+        "gpt/hsdp": hybrid,
+        "llama/tp_dp": llama,
+    }
+    for case, pred in cases.items():
+        ranks = torch_tracked[case]
+        assert_live_memory_is_torchs(case, ranks)
+        measured = max(r["torch"]["total"] for r in ranks)
+        predicted = pred.report.peaks[case.split("/")[1]].total
+        print(
+            f"{case}: predicted {predicted:,} bytes, torch measured {measured:,} ({predicted / measured - 1:+.1%})"
+        )
+        assert abs(predicted - measured) / measured <= 0.10, (case, predicted, measured)
 
 
 def test_tp_dp_is_planned_on_a_copy_so_the_other_rows_still_see_torchs_multihead_attention():

@@ -22,7 +22,6 @@ ZERO = 1e-7  # relative to the model's largest gradient: "zero up to rounding"
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
-    pytest.importorskip("transformers")
     run = launch(
         ["tests.scenarios.tp_families:split_families"], TP, tmp_path_factory.mktemp("tpfam"), timeout=420
     )

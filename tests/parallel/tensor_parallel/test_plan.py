@@ -325,7 +325,6 @@ def _hf_expected(name: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "opt", "bert", "vit", "t5"])
 def test_hf_family_plan_splits_every_attention_and_mlp_projection(name):
-    pytest.importorskip("transformers")
     from tests.scenarios.tp_families import build
 
     plan = infer_tp_plan(build(name), 2)
@@ -334,7 +333,6 @@ def test_hf_family_plan_splits_every_attention_and_mlp_projection(name):
 
 
 def test_gpt2_conv1d_is_split_on_its_transposed_weight_with_whole_heads_per_rank():
-    pytest.importorskip("transformers")
     from tests.scenarios.tp_families import build
 
     plan = infer_tp_plan(build("gpt2"), 2)
@@ -357,7 +355,6 @@ def test_gpt2_conv1d_is_split_on_its_transposed_weight_with_whole_heads_per_rank
 def test_grouped_kv_heads_refuse_a_split_that_would_cut_a_head():
     # Llama with 4 query heads and 2 key/value heads of 8 features: tp=4 would give each rank half a
     # key/value head (k_proj has 16 outputs, divisible by 4, but only 2 heads)
-    pytest.importorskip("transformers")
     from tests.scenarios.tp_families import build
 
     with pytest.raises(TPPlanError) as err:
@@ -369,7 +366,6 @@ def test_grouped_kv_heads_refuse_a_split_that_would_cut_a_head():
 
 
 def test_t5_relative_position_bias_is_split_with_the_heads():
-    pytest.importorskip("transformers")
     from tests.scenarios.tp_families import build
 
     plan = infer_tp_plan(build("t5"), 2)
@@ -385,7 +381,6 @@ def test_t5_relative_position_bias_is_split_with_the_heads():
 def test_t5_traced_with_example_inputs_splits_the_same_and_runs_with_local_heads():
     # with a trace, the later blocks' attention reads the bias handed on from block 0: still split, and
     # one rank's forward (local heads and local bias) is simulated on the meta device
-    pytest.importorskip("transformers")
     from tests.scenarios.tp_families import build
 
     tokens = torch.randint(0, 64, (2, 5))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lit_parallel._compat import MemTracker
 from lit_parallel.commands.lab.memory import BlockMLP
 from lit_parallel.measure.live_memory import LiveMemory
 from lit_parallel.planner.memory.pipeline import backward_moment, in_flight, stage_peaks
@@ -18,6 +19,7 @@ from lit_parallel.planner.pipeline_layout import pipeline_layout, pipeline_micro
 from lit_parallel.planner.precision import precision_bytes
 from lit_parallel.planner.simulation import default_loss
 from lit_parallel.planner.time.pipeline import pipeline_step_time
+from tests.memory_reference import torch_peak
 
 
 def test_pipeline_step_time_is_the_bubble_plus_one_transfer_each_way_per_slot():
@@ -156,17 +158,26 @@ def test_a_conv_stage_counts_its_batch_norm_buffers_once_and_the_gradients_a_lat
     assert sim.input_saved == [act, 0.0] and sim.output_saved == [act, act] and sim.outputs == [act, act]
     assert sim.block_inputs == [0.0, 0.0] and sim.inputs == inp and sim.model_output == 4 * 3
     # a micro-batch after the first: each gradient is computed into a new tensor, then added to the .grad
-    # already there; the simulation's temporaries are those of a real second micro-batch's backward on CPU
+    # already there; the simulation's temporaries are those of a real second micro-batch's backward on CPU,
+    # measured by LiveMemory and, in the same micro-batch, by torch's own MemTracker
     real = TinyConvNet()
     real.load_state_dict(model.state_dict())
     default_loss(real(x), (x,)).backward()
-    with LiveMemory(real) as live:
+    tracker = MemTracker()
+    tracker.track_external(real, x)
+    with LiveMemory(real) as live, tracker:
         loss = default_loss(real(x), (x,))
         forward = live.peak_so_far().by_category["temporaries"]
         live.reset_peak()
         loss.backward()
         del loss
     assert sim.temporaries == max(forward, live.peak.by_category["temporaries"])
+    # torch's peak of the micro-batch less what is not a temporary, by hand: the parameters and last
+    # micro-batch's gradients (4 bytes each: the stem 1 x 2 x 3 x 3 + 2, each block's convolution 2 x 2 x 3 x 3
+    # + 2 and BatchNorm 2 + 2, the head 2 x 3 + 3) and every tensor saved for backward (as above)
+    n = (18 + 2) + 2 * (36 + 2 + 2 + 2) + (6 + 3)
+    saved = inp + (act + act + 4 * stats + act) + (act + 4 * stats + act)
+    assert torch_peak(tracker)["total"] - (4 * n + 4 * n + saved) == sim.temporaries
     assert sim.temporaries >= 4 * 2 * 2 * 9  # the new gradient of a block's convolution weight among them
     first, last = stage_peaks(
         model,
