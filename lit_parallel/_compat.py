@@ -38,7 +38,7 @@ _PYTREE = "torch.utils._pytree"  # no public pytree in torch 2.13
 _FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
 _LAUNCHER = "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
 
-# FSDP2 methods in which the compute stream waits on a collective stream's event (measure/waits.py).
+# FSDP2 methods in which the compute stream waits on a collective stream's event (measure/collective_waits.py).
 FSDP_WAIT_METHODS = ("wait_for_unshard", "_wait_for_post_backward", "finalize_backward")
 
 ENTRIES: dict[str, Entry] = {
@@ -85,11 +85,11 @@ ENTRIES: dict[str, Entry] = {
     ),
     "functional_collectives": Entry(
         "torch.distributed._functional_collectives:",
-        "measure/waits: wait_tensor is where compute waits on a DTensor redistribution; it is patched",
+        "measure/collective_waits: wait_tensor is where compute waits on a DTensor redistribution; it is patched",
     ),
     "FSDPParamGroup": Entry(
         _FSDP_PARAM_GROUP,
-        "measure/waits: its wait methods (FSDP_WAIT_METHODS) are where CUDA compute waits on FSDP2",
+        "measure/collective_waits: its wait methods (FSDP_WAIT_METHODS) are where CUDA compute waits on FSDP2",
         attributes=FSDP_WAIT_METHODS,
     ),
     "MEM_FORMAT_ENCODING": Entry(

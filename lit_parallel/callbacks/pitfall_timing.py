@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lit_parallel._compat import ddp_logging_data
 from lit_parallel.callbacks.patching import patch_attribute
 from lit_parallel.callbacks.pitfall_checks import Finding
-from lit_parallel.measure.waits import CollectiveWaitTimer, transfer_waits
+from lit_parallel.measure.collective_waits import CollectiveWaitTimer, transfer_waits
 
 # the profiler action around each fetch of a training batch
 _FETCH_ACTION = "train_dataloader_next"

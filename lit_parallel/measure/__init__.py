@@ -1,5 +1,5 @@
 """Timing and counting primitives used by the mechanisms, the callbacks, the planner and the commands: the
 collectives a piece of code issues and their bytes (:mod:`~.collectives`), the time compute waits on them
-(:mod:`~.waits`), live tensor memory on any device (:mod:`~.live_memory`), point-to-point bytes between
+(:mod:`~.collective_waits`), live tensor memory on any device (:mod:`~.live_memory`), point-to-point bytes between
 pipeline stages (:mod:`~.p2p`). Pure PyTorch; may import the base modules only.
 """

@@ -7,8 +7,8 @@ exposed communication).
 """
 
 from lit_parallel.formatting import divisors, format_bytes, format_choices
+from lit_parallel.measure.collective_waits import CollectiveWaitTimer, Window, transfer_waits
 from lit_parallel.measure.collectives import Collective, CollectiveStats, CommCounter, count_collectives
-from lit_parallel.measure.waits import CollectiveWaitTimer, Window, transfer_waits
 from lit_parallel.parallel.blocks import BlockPlan, NoBlocksFoundError, find_transformer_blocks
 from lit_parallel.parallel.ddp.buckets import (
     AllReduceMeasurement,

@@ -11,7 +11,7 @@ import torch
 from lit_parallel.callbacks import learning_rate_rule, per_rank_seed, scaled_learning_rate
 from lit_parallel.callbacks.pitfall_timing import judge_stragglers
 from lit_parallel.callbacks.pitfalls import Finding, PitfallReport, format_table
-from lit_parallel.measure.waits import Window, span_and_waits, transfer_waits
+from lit_parallel.measure.collective_waits import Window, span_and_waits, transfer_waits
 from tests.harness import launch
 
 SCENARIOS = [

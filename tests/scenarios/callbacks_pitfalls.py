@@ -269,7 +269,7 @@ def wait_timer(ctx) -> dict:
     blocking all-reduce, measured here."""
     import threading
 
-    from lit_parallel.measure.waits import CollectiveWaitTimer
+    from lit_parallel.measure.collective_waits import CollectiveWaitTimer
 
     originals = (dist.all_reduce, dist.Work.__dict__["wait"])
     timer = CollectiveWaitTimer("cpu").install()
