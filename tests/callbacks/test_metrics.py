@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.callbacks.conftest import METRICS_BATCHES, METRICS_SAMPLES
 from tests.harness import launch
 from tests.scenarios.callbacks_metrics import classification_data
 
@@ -49,14 +50,10 @@ def _check(per_rank: list[dict], n: int, world: int, batches: list[int]) -> None
             assert runs["validate_without_callback"]["val_count"] == padded
 
 
-@pytest.mark.timeout(300)
-def test_metrics_equal_single_process_7_samples_on_2_ranks(tmp_path):
-    # batch 2: rank 1's last batch is [sample 5, repeat] (partly padded); batch 3: it is [repeat] only
-    batches = [2, 3]
-    res = launch(
-        "tests.scenarios.callbacks_metrics:exact_metrics", 2, tmp_path, args={"n": 7, "batches": batches}
-    )
-    _check(res.scenario("exact_metrics"), 7, 2, batches)
+@pytest.mark.timeout(420)
+def test_metrics_equal_single_process_7_samples_on_2_ranks(callbacks_two_ranks):
+    # the callbacks' 2-rank launch (tests/callbacks/conftest.py): 7 samples, batches 2 and 3
+    _check(callbacks_two_ranks.scenario("exact_metrics"), METRICS_SAMPLES, 2, METRICS_BATCHES)
 
 
 @pytest.mark.timeout(300)

@@ -1,43 +1,29 @@
 """Synchronized BatchNorm on gloo: 2 ranks equal one process on the global batch.
 
 The layer alone (uneven and empty per-rank batches, momentum and cumulative averages, eval mode), and
-whole training runs with SyncBatchNormConversion under Lightning's ddp and our strategies.
+whole training runs with SyncBatchNormConversion under Lightning's ddp and our strategies (the callbacks'
+2-rank launch, tests/callbacks/conftest.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.strategies import StrategyRegistry
 
 import lit_parallel  # noqa: F401  (registers the strategy names)
-from tests.harness import launch
+from tests.callbacks.conftest import SYNC_BATCHNORM_STRATEGIES
 from tests.reference import assert_rel_close, reference_training
 from tests.scenarios import callbacks_sync_batchnorm as sc
 
 pytestmark = pytest.mark.multiprocess
 WORLD = 2
-STRATEGIES = [s for s in ("ddp", "ddp_tuned", "fsdp_blocks", "hsdp") if s in StrategyRegistry]
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return launch(
-        [
-            "tests.scenarios.callbacks_sync_batchnorm:layer_parity",
-            "tests.scenarios.callbacks_sync_batchnorm:training_parity",
-        ],
-        WORLD,
-        tmp_path_factory.mktemp("syncbn"),
-        args={"strategies": STRATEGIES + ["ddp_configure_model", "ddp_plain_batchnorm"]},
-        timeout=280,
-    )
+STRATEGIES = SYNC_BATCHNORM_STRATEGIES
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(sc.LAYER_CASES))
-def test_sync_batchnorm_layer_matches_one_process_on_global_batch(run, case):
-    per_rank = [r[case] for r in run.scenario("layer_parity")]
+def test_sync_batchnorm_layer_matches_one_process_on_global_batch(callbacks_two_ranks, case):
+    per_rank = [r[case] for r in callbacks_two_ranks.scenario("layer_parity")]
     inputs = sc.layer_inputs(case)
     reference = sc.make_bn(case, inputs)  # torch's BatchNorm, one process, the whole batch
     for step, (x, grad, bounds) in enumerate(inputs["steps"]):
@@ -83,9 +69,9 @@ def _reference_state() -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "ddp_configure_model"])
-def test_training_with_conversion_matches_one_process(run, strategy):
+def test_training_with_conversion_matches_one_process(callbacks_two_ranks, strategy):
     expected = _reference_state()
-    for rank, out in enumerate(run.scenario("training_parity")):
+    for rank, out in enumerate(callbacks_two_ranks.scenario("training_parity")):
         got = out[strategy]
         assert got["converted"] == 3 and got["layer_types"] == ["SyncBatchNorm"]
         if rank == 0 and strategy != "ddp_tuned":
@@ -102,9 +88,9 @@ def test_training_with_conversion_matches_one_process(run, strategy):
 
 
 @pytest.mark.timeout(300)
-def test_training_without_conversion_differs(run):
+def test_training_without_conversion_differs(callbacks_two_ranks):
     """Control: the same run with plain BatchNorm does not match, so the parity above is not vacuous."""
     expected = _reference_state()
-    got = run.scenario("training_parity")[0]["ddp_plain_batchnorm"]["state"]
+    got = callbacks_two_ranks.scenario("training_parity")[0]["ddp_plain_batchnorm"]["state"]
     assert got["0.bn.running_mean"].shape == expected["0.bn.running_mean"].shape
     assert not torch.allclose(got["0.bn.running_mean"], expected["0.bn.running_mean"], rtol=1e-3, atol=0)

@@ -1,7 +1,7 @@
 """Callbacks under a 2 x 2 (data_parallel x tensor_parallel) mesh: tensor-parallel peers count once.
 
 Lightning's ModelParallelStrategy and our tp_dp (TensorParallelStrategy) both give each
-tensor-parallel peer the same data-parallel shard.
+tensor-parallel peer the same data-parallel shard. The runs share the 4-rank launch of tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -9,31 +9,17 @@ from __future__ import annotations
 import pytest
 
 from tests.callbacks.test_metrics import single_process_values
-from tests.harness import launch
+from tests.conftest import TENSOR_PARALLEL_METRICS_SAMPLES
 
 pytestmark = pytest.mark.multiprocess
-N = 9  # 9 samples on 2 data-parallel ranks: one padding repeat
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return launch(
-        [
-            "tests.scenarios.callbacks_metrics:tensor_parallel_metrics",
-            "tests.scenarios.callbacks_set_epoch:tensor_parallel_set_epoch",
-        ],
-        4,
-        tmp_path_factory.mktemp("tp"),
-        args={"n": N, "batches": [2]},
-        timeout=400,
-    )
+N = TENSOR_PARALLEL_METRICS_SAMPLES  # 9 on 2 data-parallel ranks: one padding repeat (the 4-rank launch, tests/conftest.py)
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy", ["model_parallel", "tp_dp"])
-def test_metrics_count_each_sample_once_under_tensor_parallelism(run, strategy):
+def test_metrics_count_each_sample_once_under_tensor_parallelism(four_ranks, strategy):
     expected = single_process_values(N)
-    for rank, out in enumerate(run.scenario("tensor_parallel_metrics")):
+    for rank, out in enumerate(four_ranks.scenario("tensor_parallel_metrics")):
         runs = out[strategy][2]
         for name, prefix in (("fit", "val"), ("validate", "val"), ("test", "test")):
             got = runs[name]
@@ -46,8 +32,8 @@ def test_metrics_count_each_sample_once_under_tensor_parallelism(run, strategy):
 
 
 @pytest.mark.timeout(420)
-def test_set_epoch_check_counts_tensor_parallel_peers_once(run):
-    outs = run.scenario("tensor_parallel_set_epoch")
+def test_set_epoch_check_counts_tensor_parallel_peers_once(four_ranks):
+    outs = four_ranks.scenario("tensor_parallel_set_epoch")
     assert all(out["correct"] == [] for out in outs)
     (finding,) = outs[0]["everything"]
     assert "16 of the 32 samples drawn by the 2 data-parallel ranks" in finding

@@ -92,8 +92,18 @@ def test_bench_all_writes_one_json_and_png_plots(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert set(report["benchmarks"]) == {"ddp"} and report["errors"] == {}
-    variants = report["benchmarks"]["ddp"]["variants"]
+    result = report["benchmarks"]["ddp"]
+    # --quick runs bench ddp's MLP of width 64 and depth 3 (its hidden layers, then a 10-way head)
+    width, depth = 64, 3
+    n_params = (depth - 1) * (width * width + width) + (width * 10 + 10)
+    assert result["config"]["params"] == n_params
+    variants = result["variants"]
     assert set(variants) == {"ddp_tuned", "lightning_ddp", "plain_ddp"}
+    # one fp32 all-reduce of every gradient per step
+    assert variants["ddp_tuned"]["bytes_per_step"] == 4 * n_params
+    assert variants["plain_ddp"]["bytes_per_step"] == 4 * n_params
+    assert variants["lightning_ddp"]["ratio_vs_lightning_ddp"] == 1.0
+    assert "bench ddp" in res.stdout
     for name in ("step_time.png", "bytes_communicated.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert f"wrote {tmp_path / 'step_time.png'}" in res.stdout

@@ -3,7 +3,7 @@ gloo ranks.
 
 Three launches, each failing on purpose at its end:
 
-1. Lightning's launcher, 2 ranks: three fits in the same processes with ``stall_timeout=3`` and slow phases
+1. Lightning's launcher, 2 ranks: three fits in the same processes with ``stall_timeout=2`` and slow phases
    that are not stalls (a slow first step, validation, checkpoint save, data loading), threads and
    environment checked during and after each; then rank 1 sleeps for good in ``training_step``.
 2. Lightning's launcher, 2 ranks: rank 1 sleeps for good, rank 0 waits in a collective, ``SIGINT`` to the

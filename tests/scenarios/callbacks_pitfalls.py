@@ -170,9 +170,13 @@ def faulty_model_and_data(ctx) -> dict:
 
 
 def faulty_communication(ctx) -> dict:
-    """4M parameters and 8 samples per step: the gradient all-reduce dominates the step."""
+    """6M parameters and 8 samples per step: the gradient all-reduce is about a third of the step on 2 CPU
+    ranks, whatever the model's size (the optimizer's pass over the parameters grows with it), so the report
+    is judged against half the default limit: other load on the machine can take a few points off the share,
+    never half of it."""
     module = MLP(1024, 2048, 1, 0.01, seed_per_rank=True)
-    return _run(ctx, module, BatchedData(12, 8, 1024), PitfallReport(check_every_n_steps=4))
+    report = PitfallReport(check_every_n_steps=4, comm_share_limit=0.1)
+    return _run(ctx, module, BatchedData(12, 8, 1024), report)
 
 
 def faulty_straggler(ctx) -> dict:

@@ -22,8 +22,8 @@ from lit_parallel.reliability import LAUNCHER_PID_ENV
 from tests.scenarios.fsdp import lm_dataset
 from tests.scenarios.reliability import BATCH, NoisyLlama, make_strategy, trainer
 
-STALL_S = 3.0
-SLOW_S = 7.0
+STALL_S = 2.0
+SLOW_S = 5.0
 N_SAMPLES = 24  # 2 ranks x 6 batches x 2 samples
 
 
@@ -108,7 +108,7 @@ def _fit(ctx, name: str, model, data, val=None, callbacks=(), **kw) -> dict:
 
 
 def three_fits_without_false_stalls(ctx) -> dict:
-    """Lightning's launcher, 2 ranks; three fits in the same processes with ``stall_timeout=3``, each with
+    """Lightning's launcher, 2 ranks; three fits in the same processes with ``stall_timeout=STALL_S``, each with
     slow phases that are not stalls: (1) ddp_tuned, a slow first step and a slow validation; (2) ddp_tuned,
     a slow checkpoint save and slow data loading; (3) fsdp_blocks, slow data loading."""
     out: dict = {"before": _ours(), "env_before": os.environ.get(LAUNCHER_PID_ENV)}
@@ -137,7 +137,7 @@ def _loader(at: int | None = None) -> DataLoader:
 
 
 def stall_then_exit(ctx) -> dict:
-    """Last scenario of the launch: rank 1 sleeps for good in training step 3 (ddp_tuned, stall_timeout=3)."""
+    """Last scenario of the launch: rank 1 sleeps for good in training step 3 (ddp_tuned, stall_timeout=STALL_S)."""
     trainer(ctx, make_strategy("ddp_tuned", stall_timeout=STALL_S), max_epochs=1).fit(
         SlowLlama(ctx, {"forever"}), _loader()
     )

@@ -1,10 +1,10 @@
 """pp_dp on real gloo ranks against one plain PyTorch process on the same global batches.
 
 Launch A (2 ranks): every schedule at pp2 (parity, reported loss, validation through the stages), the
-missing-hook error, checkpoints across pipeline sizes and strategies. Launch B (4 ranks): pp2 x dp2 for the
-schedules that run with FSDP2, and the recipe (recipes/configs/gpt_pp.yaml) as its header's torchrun command.
-Launch C (8 ranks on two loopback torchrun nodes, shared with tp_dp's 3-D layout: tests/strategies/conftest.py):
-pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
+missing-hook error, checkpoints across pipeline sizes and strategies. Launch B (4 ranks, shared with tp_dp and the
+callbacks: tests/conftest.py): pp2 x dp2 for the schedules that run with FSDP2, and the recipe
+(recipes/configs/gpt_pp.yaml) as its header's torchrun command. Launch C (8 ranks on two loopback torchrun
+nodes, shared with tp_dp's 3-D layout: tests/conftest.py): pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
 """
 
 from __future__ import annotations
@@ -25,14 +25,6 @@ def run2(tmp_path_factory):
     names = ["parity_pp2", "missing_hook", "memory_and_p2p", "options", "smaller_last_batch", "checkpoints"]
     return launch(
         [f"tests.scenarios.pipeline:{n}" for n in names], 2, tmp_path_factory.mktemp("pp2"), timeout=1500
-    )
-
-
-@pytest.fixture(scope="module")
-def run4(tmp_path_factory):
-    names = ["parity_pp2_dp2", "recipe_gpt_pp"]
-    return launch(
-        [f"tests.scenarios.pipeline:{n}" for n in names], 4, tmp_path_factory.mktemp("pp4"), timeout=1500
     )
 
 
@@ -113,8 +105,8 @@ def test_module_without_pipeline_loss_gets_error_naming_the_hook(run2):
 
 @pytest.mark.timeout(1600)
 @pytest.mark.parametrize("schedule", sc.SCHEDULES_DP)
-def test_pp2_dp2_matches_single_process(run4, schedule):
-    per_rank = [out[schedule] for out in run4.scenario("parity_pp2_dp2")]
+def test_pp2_dp2_matches_single_process(four_ranks, schedule):
+    per_rank = [out[schedule] for out in four_ranks.scenario("parity_pp2_dp2")]
     _assert_parity(per_rank, _reference(dp=2), f"pp2 x dp2 {schedule}")
 
 
@@ -229,12 +221,12 @@ def test_a_smaller_last_batch_gets_its_own_stage_shapes_and_stays_exact(run2):
 
 
 @pytest.mark.timeout(1600)
-def test_gpt_pp_recipe_trains_pp2_x_dp2_and_its_checkpoint_consolidates(run4, tmp_path):
+def test_gpt_pp_recipe_trains_pp2_x_dp2_and_its_checkpoint_consolidates(four_ranks, tmp_path):
     import math
     import subprocess
     import sys
 
-    out = run4.scenario("recipe_gpt_pp")[0]
+    out = four_ranks.scenario("recipe_gpt_pp")[0]
     assert out["strategy"] == "PipelineParallelStrategy" and out["global_step"] == 3
     assert out["dims"].startswith("pipeline_parallel=2 x data_parallel_replicate=1 x data_parallel_shard=2")
     assert math.isfinite(out["train_loss"]) and math.isfinite(out["val_loss"])

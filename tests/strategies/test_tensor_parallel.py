@@ -2,7 +2,7 @@
 
 Launches (2, and a share of one): 2 ranks (tensor_parallel 2), 4 ranks (data_parallel 2 x tensor_parallel 2),
 and two torchrun "nodes" of 4 ranks on loopback (replicate 2 x shard 2 x tensor_parallel 2), shared with
-pp_dp's 3-D layout (tests/strategies/conftest.py).
+pp_dp's 3-D layout; the 4-rank launch is shared with pp_dp and the callbacks (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -28,33 +28,16 @@ def pretrained(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory, pretrained, four):
-    # after `four`, whose checkpoint it loads
+def two(tmp_path_factory, pretrained, four_ranks):
+    # after the 4-rank launch, whose checkpoint it loads
     names = ["parity_tp2", "custom_plans", "comm_counts", "bad_sequence_length", "init_from_file"]
     names.append("resume_elsewhere")
     return launch(
         [f"tests.scenarios.tp:{n}" for n in names],
         2,
         tmp_path_factory.mktemp("tp2"),
-        args={"pretrained": str(pretrained), "ckpt": four.scenario("checkpoint_resume")[0]["ckpt"]},
+        args={"pretrained": str(pretrained), "ckpt": four_ranks.scenario("checkpoint_resume")[0]["ckpt"]},
         timeout=300,
-    )
-
-
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tp_checkpoints")
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory, ckpt_dir):
-    names = ["parity_dp2_tp2", "checkpoint_resume"]
-    return launch(
-        [f"tests.scenarios.tp:{n}" for n in names],
-        4,
-        tmp_path_factory.mktemp("tp4"),
-        args={"ckpt_dir": str(ckpt_dir)},
-        timeout=420,
     )
 
 
@@ -203,14 +186,14 @@ def test_meta_device_model_is_filled_from_a_full_state_dict_file(two, pretrained
 
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_dp2_tp2_matches_single_process_with_accumulation_and_clipping(four, variant):
-    out = [r[variant] for r in four.scenario("parity_dp2_tp2")]
+def test_dp2_tp2_matches_single_process_with_accumulation_and_clipping(four_ranks, variant):
+    out = [r[variant] for r in four_ranks.scenario("parity_dp2_tp2")]
     _assert_parity(out, variant.split("_")[0], 2, f"dp2 x tp2 {variant}")
 
 
 @pytest.mark.timeout(480)
-def test_ranks_of_one_tensor_parallel_group_read_identical_batches(four):
-    out = [r["llama"] for r in four.scenario("parity_dp2_tp2")]
+def test_ranks_of_one_tensor_parallel_group_read_identical_batches(four_ranks):
+    out = [r["llama"] for r in four_ranks.scenario("parity_dp2_tp2")]
     # mesh (data_parallel, tensor_parallel): ranks 0, 1 form TP group 0 and ranks 2, 3 TP group 1
     assert [r["dp_rank"] for r in out] == [0, 0, 1, 1]
     assert out[0]["batches"] == out[1]["batches"] and out[2]["batches"] == out[3]["batches"]
@@ -221,7 +204,7 @@ def test_ranks_of_one_tensor_parallel_group_read_identical_batches(four):
 
 
 @pytest.mark.timeout(480)
-def test_per_rank_bytes_of_split_block_layers_are_one_over_dp_times_tp(four):
+def test_per_rank_bytes_of_split_block_layers_are_one_over_dp_times_tp(four_ranks):
     full = {f"model.{k}": v.numel() * v.element_size() for k, v in sc.build_model("llama").named_parameters()}
     split = (
         "attention.wq",
@@ -232,7 +215,7 @@ def test_per_rank_bytes_of_split_block_layers_are_one_over_dp_times_tp(four):
         "feed_forward.w2",
     )
     split += ("feed_forward.w3",)
-    for r in four.scenario("parity_dp2_tp2"):
+    for r in four_ranks.scenario("parity_dp2_tp2"):
         local = r["llama"]["local_bytes"]
         assert set(local) == set(full)
         for name, nbytes in full.items():
@@ -241,8 +224,8 @@ def test_per_rank_bytes_of_split_block_layers_are_one_over_dp_times_tp(four):
 
 
 @pytest.mark.timeout(480)
-def test_resume_from_sharded_checkpoint_continues_the_loss_curve(four):
-    r = four.scenario("checkpoint_resume")[0]
+def test_resume_from_sharded_checkpoint_continues_the_loss_curve(four_ranks):
+    r = four_ranks.scenario("checkpoint_resume")[0]
     assert len(r["first"]) == 4 and len(r["resumed"]) == 4
     assert torch.equal(r["straight"], torch.cat([r["first"], r["resumed"]]))
     for k, v in r["straight_params"].items():
@@ -250,8 +233,8 @@ def test_resume_from_sharded_checkpoint_continues_the_loss_curve(four):
 
 
 @pytest.mark.timeout(480)
-def test_sharded_checkpoint_consolidates_to_the_single_process_weights(four):
-    r = four.scenario("checkpoint_resume")[0]
+def test_sharded_checkpoint_consolidates_to_the_single_process_weights(four_ranks):
+    r = four_ranks.scenario("checkpoint_resume")[0]
     state = load_sharded(r["ckpt"], keys={"state_dict"})["state_dict"]
     ref = reference_training(
         sc.build_model("gpt"),
@@ -271,8 +254,8 @@ def test_sharded_checkpoint_consolidates_to_the_single_process_weights(four):
 
 
 @pytest.mark.timeout(480)
-def test_checkpoint_loads_on_two_ranks_and_refuses_another_tensor_parallel_size(two, four):
-    saved = four.scenario("checkpoint_resume")[0]["first_params"]
+def test_checkpoint_loads_on_two_ranks_and_refuses_another_tensor_parallel_size(two, four_ranks):
+    saved = four_ranks.scenario("checkpoint_resume")[0]["first_params"]
     r = two.scenario("resume_elsewhere")[0]
     assert r["step"] == 4
     for k, v in saved.items():
