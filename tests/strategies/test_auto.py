@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import lit_parallel as lp
 from lit_parallel.planner.rules import GB, PRECISIONS
 from lit_parallel.strategies.arguments import CommonArguments
-from tests.harness import launch
 from tests.models import Llama, LlamaConfig
 
 CONFIG = LlamaConfig()
@@ -158,23 +157,6 @@ def no_parameters_validates(ctx) -> dict:
 # --- tests ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    scenarios = [
-        f"tests.strategies.test_auto:{n}"
-        for n in (
-            "picks_ddp_tuned",
-            "picks_fsdp_blocks",
-            "picks_tp_dp",
-            "setup_built_picks_fsdp_blocks",
-            "no_parameters_validates",
-        )
-    ]
-    # Lightning's own launcher (`python train.py`): the strategy decides before it starts the other rank;
-    # the in-process tests below cover the decision when the Trainer attaches the model (torchrun, SLURM).
-    return launch(scenarios, 2, tmp_path_factory.mktemp("auto"), launcher="lightning", timeout=300)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize(
@@ -187,9 +169,9 @@ def run(tmp_path_factory):
     ],
 )
 def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_like_it(
-    run, scenario, cls, name, rule
+    lightning_launcher_two_ranks, scenario, cls, name, rule
 ):
-    for rank, r in enumerate(run.scenario(scenario)):
+    for rank, r in enumerate(lightning_launcher_two_ranks.scenario(scenario)):
         assert (r["class"], r["recommendation"], r["rule"]) == (cls, name, rule), f"rank {rank}"
         assert len(r["auto_losses"]) == 3
         assert r["params"] == PARAMS  # the whole model measured, also when setup() builds it
@@ -200,9 +182,9 @@ def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(360)
-def test_a_model_without_parameters_gets_ddp_tuned_and_validates(run):
+def test_a_model_without_parameters_gets_ddp_tuned_and_validates(lightning_launcher_two_ranks):
     # 8 samples of (2i, 2i + 1) over 2 ranks, 4 each (the same count): the mean of every value 0..15
-    for rank, r in enumerate(run.scenario("no_parameters_validates")):
+    for rank, r in enumerate(lightning_launcher_two_ranks.scenario("no_parameters_validates")):
         assert (r["class"], r["advice"]) == ("TunedDDPStrategy", None), f"rank {rank}"
         assert r["metrics"] == [{"mean": pytest.approx(sum(range(16)) / 16)}]
 

@@ -209,12 +209,10 @@ def test_parameter_unused_after_the_probe_gets_an_error_naming_the_fix(run):
         assert "TunedDDPStrategy(find_unused_parameters=True)" in r["error"]
 
 
-@pytest.mark.timeout(300)
-def test_registry_name_under_lightnings_own_launcher_matches_single_process(tmp_path):
-    """`python train.py` with Trainer(devices=2, strategy="ddp_tuned"): Lightning starts the second rank."""
-    res = launch(
-        "tests.scenarios.ddp:parity", WORLD, tmp_path, launcher="lightning", args={"strategy_object": False}
-    )
-    out = res.scenario("parity")
+@pytest.mark.timeout(460)
+def test_registry_name_under_lightnings_own_launcher_matches_single_process(lightning_launcher_two_ranks):
+    """`python train.py` with Trainer(devices=2, strategy="ddp_tuned"): Lightning starts the second rank (the
+    strategies' launch through Lightning's launcher, tests/strategies/conftest.py)."""
+    out = lightning_launcher_two_ranks.scenario("parity")
     assert [r["strategy"] for r in out] == ["TunedDDPStrategy"] * WORLD
     _assert_parity(out, _reference(sc.make_net(0), steps=6, accumulate=2, clip=0.05), "lightning launcher")

@@ -302,11 +302,10 @@ def test_clip_grad_norm_handles_sharded_and_plain_gradients_together(run):
             assert_rel_close(got, g * coef, what="clipped gradient")
 
 
-@pytest.mark.timeout(300)
-def test_lightning_launcher_string_names_and_repeated_trainers(tmp_path):
-    res = launch(
-        "tests.scenarios.fsdp:lightning_launcher", WORLD, tmp_path, launcher="lightning", timeout=240
-    )
+@pytest.mark.timeout(460)
+def test_lightning_launcher_string_names_and_repeated_trainers(lightning_launcher_two_ranks):
+    # the strategies' launch through Lightning's launcher (tests/strategies/conftest.py)
+    res = lightning_launcher_two_ranks
     out = res.scenario("lightning_launcher")
     # the plan is logged on rank 0: classes, number of blocks, parameters per block, bytes per rank
     assert "fsdp_blocks: FSDP2 plan (auto block discovery): block classes GPTBlock" in res.output
