@@ -1,4 +1,4 @@
-"""Reliability scenarios, run on real gloo ranks by tests/reliability/test_failures.py*.py.
+"""Reliability scenarios, run on real gloo ranks by tests/reliability/test_failures.py and test_stall.py.
 
 Every strategy (ddp_tuned, fsdp_blocks, hsdp, tp_dp) trains the same tiny Llama (separate q/k/v and gate/up
 projections, so tensor-parallel layouts carry over to other strategies) with AdamW, dropout on the logits
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -577,22 +576,21 @@ def raise_during_checkpoint_save(ctx) -> dict:
     if ctx.rank == 0:
         torch.save(saved, root / "expected_model.pt")
 
-    def inject_failure(signum, frame):
-        (root / f"raised_{ctx.rank}").write_text(f"{time.time():.6f}")
-        raise ValueError(f"failure injected on rank {ctx.rank} while writing its checkpoint shard")
-
     if ctx.rank == 1:
-        signal.signal(signal.SIGUSR2, inject_failure)
-        main = threading.main_thread().ident
+        # rank 1 fails in the middle of the new save: its shard is on disk, the save not yet committed. The
+        # failure is raised in its own code path after the write (a signal at an arbitrary moment could land
+        # inside torch.save's zip writer, whose own error on closing the file then replaces it)
+        from torch.distributed.checkpoint import FileSystemWriter
 
-        def watch():  # raise in the main thread as soon as this rank's shard of the new save exists
-            while True:
-                for _ in root.glob(".lit_parallel_partial_*/__1_*.distcp"):
-                    signal.pthread_kill(main, signal.SIGUSR2)
-                    return
-                time.sleep(0.001)
+        write_data = FileSystemWriter.write_data
 
-        threading.Thread(target=watch, daemon=True).start()
+        def write_then_fail(self, plan, planner):
+            written = write_data(self, plan, planner)
+            written.wait()
+            (root / f"raised_{ctx.rank}").write_text(f"{time.time():.6f}")
+            raise ValueError(f"failure injected on rank {ctx.rank} while writing its checkpoint shard")
+
+        FileSystemWriter.write_data = write_then_fail
     trainer(
         ctx, make_strategy("fsdp_blocks"), max_epochs=2, callbacks=[last()], enable_checkpointing=True
     ).fit(NoisyLlama(), loader(), ckpt_path=root / "last.ckpt")
