@@ -5,6 +5,8 @@ then fails with that rank's traceback (tests/harness.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.harness import LaunchResult, launch
@@ -15,10 +17,18 @@ TENSOR_PARALLEL_METRICS_SAMPLES = 9
 
 
 @pytest.fixture(scope="session")
-def four_ranks(tmp_path_factory) -> LaunchResult:
+def reshard_dir(tmp_path_factory) -> Path:
+    """Where the 4-rank launch saves the checkpoints that tests/reliability/test_failures.py restores on 3
+    ranks in other layouts."""
+    return tmp_path_factory.mktemp("reshard")
+
+
+@pytest.fixture(scope="session")
+def four_ranks(tmp_path_factory, reshard_dir) -> LaunchResult:
     """4 ranks: ``tp_dp`` as data parallel 2 x tensor parallel 2 and its checkpoint
-    (``tests.scenarios.tp``), ``pp_dp`` as pp2 x dp2 and its recipe (``tests.scenarios.pipeline``), and the
-    callbacks under a 2 x 2 mesh (``tests.scenarios.callbacks_*``)."""
+    (``tests.scenarios.tp``), ``pp_dp`` as pp2 x dp2 and its recipe (``tests.scenarios.pipeline``), the
+    callbacks under a 2 x 2 mesh (``tests.scenarios.callbacks_*``) and the checkpoints that
+    tests/reliability/test_failures.py reshards (``tests.scenarios.reliability:reshard_save``)."""
     return launch(
         [
             "tests.scenarios.tp:parity_dp2_tp2",
@@ -27,6 +37,7 @@ def four_ranks(tmp_path_factory) -> LaunchResult:
             "tests.scenarios.pipeline:recipe_gpt_pp",
             "tests.scenarios.callbacks_metrics:tensor_parallel_metrics",
             "tests.scenarios.callbacks_set_epoch:tensor_parallel_set_epoch",
+            "tests.scenarios.reliability:reshard_save",
         ],
         4,
         tmp_path_factory.mktemp("four"),
@@ -34,6 +45,7 @@ def four_ranks(tmp_path_factory) -> LaunchResult:
             "ckpt_dir": str(tmp_path_factory.mktemp("tp_checkpoints")),
             "n": TENSOR_PARALLEL_METRICS_SAMPLES,
             "batches": [2],
+            "dir": str(reshard_dir),
         },
         timeout=1500,
     )
@@ -51,3 +63,34 @@ def eight_ranks(tmp_path_factory) -> LaunchResult:
         nnodes=2,
         timeout=1500,
     )
+
+
+# the advise planner's scenarios that run on real ranks (tests/scenarios/advise.py): the parts and costs its
+# --verify launch times (tests/planner/time/test_calibration.py), and the steps advise and lab measure, under
+# torch's memory tracker as well (tests/commands/advise/test_advise.py, tests/commands/test_lab.py)
+ADVISE_SCENARIOS = (
+    "slowest_rank_timing",
+    "tp_all_reduces",
+    "all_reduce_timer",
+    "fsdp_cost_timer",
+    "memory_with_torch_tracker",
+)
+
+
+@pytest.fixture(scope="session")
+def advise_two_ranks(tmp_path_factory) -> LaunchResult:
+    """One launch of 2 ranks for every scenario of tests/scenarios/advise.py."""
+    return launch(
+        [f"tests.scenarios.advise:{n}" for n in ADVISE_SCENARIOS],
+        2,
+        tmp_path_factory.mktemp("advise"),
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="session")
+def torch_tracked(advise_two_ranks) -> dict[str, list[dict]]:
+    """``memory_with_torch_tracker``'s figures: ``{"model/strategy": [rank 0's {"live": LiveMemory's peak,
+    "torch": torch's peak}, rank 1's]}``."""
+    per_rank = advise_two_ranks.scenario("memory_with_torch_tracker")
+    return {case: [r[case] for r in per_rank] for case in per_rank[0]}

@@ -410,15 +410,13 @@ def test_ranks_started_by_lightnings_launcher_exit_when_the_launching_process_is
 
 
 @pytest.fixture(scope="module")
-def reshard(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reshard")
-    data = root / "data"
-    data.mkdir()
-    saved = launch(f"{SC}:reshard_save", 4, root, args={"dir": str(data)}, timeout=400).scenario(
-        "reshard_save"
-    )[0]
+def reshard(tmp_path_factory, four_ranks, reshard_dir):
+    # saved on 4 ranks by the shared 4-rank launch (tests/conftest.py)
+    data = reshard_dir
+    saved = four_ranks.scenario("reshard_save")[0]
     # fsdp_blocks -> ddp_tuned goes through a full Lightning checkpoint, written without a process group
     consolidate_checkpoint(data / "fsdp.ckpt", data / "fsdp_consolidated.ckpt")
+    root = tmp_path_factory.mktemp("reshard_load")
     loaded = launch(f"{SC}:reshard_load", 3, root, args={"dir": str(data)}, timeout=400).scenario(
         "reshard_load"
     )[0]

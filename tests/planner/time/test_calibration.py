@@ -706,17 +706,13 @@ def test_the_step_rates_always_give_back_the_time_at_the_micro_batch():
 
 
 @pytest.fixture(scope="module")
-def advise_launch(tmp_path_factory):
-    """One launch of 2 ranks runs every scenario of tests/scenarios/advise.py."""
-    from tests.harness import launch
-
-    names = ("slowest_rank_timing", "tp_all_reduces", "all_reduce_timer", "fsdp_cost_timer")
-    scenarios = [f"tests.scenarios.advise:{n}" for n in names]
-    return launch(scenarios, 2, tmp_path_factory.mktemp("advise"))
+def advise_launch(advise_two_ranks):
+    """The launch of 2 ranks that runs every scenario of tests/scenarios/advise.py (tests/conftest.py)."""
+    return advise_two_ranks
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(advise_launch):
     # sample 0: ranks 1 and 2 ms, sample 1: ranks 3 and 2 ms; the slowest per sample: 2 and 3 ms, whose
     # lower quartile (of two: the smaller) is 2 ms, on both ranks; the samples are used up
@@ -725,7 +721,7 @@ def test_a_launch_times_the_parts_as_its_slowest_rank_saw_them(advise_launch):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_tp_dp_cost_per_all_reduce_is_timed_as_the_slowest_rank_saw_it(advise_launch):
     got = advise_launch.scenario("all_reduce_timer")
     # made up: the slowest rank's paired times are 11, 20, 30 and 40 ms, its thin ones 1, 2, 4 and 4 ms; the
@@ -738,7 +734,7 @@ def test_tp_dp_cost_per_all_reduce_is_timed_as_the_slowest_rank_saw_it(advise_la
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_shards(advise_launch):
     got = advise_launch.scenario("fsdp_cost_timer")
     for name in ("zero2", "fsdp_blocks", "hsdp"):
@@ -768,7 +764,7 @@ def test_fsdp_costs_are_timed_on_the_calibration_shapes_sharded_as_the_strategy_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_tp_dp_is_priced_by_the_all_reduces_a_real_split_step_runs(advise_launch):
     from lit_parallel.commands.advise.report import predict
 
