@@ -132,6 +132,21 @@ def launch(scenarios: list[str] | str, nprocs: int, tmp_path: Path, **kwargs: An
     return result
 
 
+def launch_failing(
+    tmp_path_factory: Any, tag: str, scenarios: list[str] | str, nprocs: int = 2, **kwargs: Any
+) -> tuple[LaunchResult, Path, float]:
+    """A launch that fails on purpose (``expect_failure``): its scenarios write time stamps into a fresh folder
+    given to them as ``args["dir"]`` (with ``kwargs["args"]``, if any). Returns the result, that folder and
+    the moment the launch ended (``time.time()``), for the tests to measure how long ranks outlived a failure."""
+    root = tmp_path_factory.mktemp(tag)
+    data = root / "data"
+    data.mkdir()
+    args = {"dir": str(data), **kwargs.pop("args", {})}
+    start = time.time()
+    res = launch(scenarios, nprocs, root, args=args, expect_failure=True, **kwargs)
+    return res, data, start + res.wall_s
+
+
 def _launch_once(
     scenarios: list[str] | str,
     nprocs: int,

@@ -18,7 +18,7 @@ import torch
 from lit_parallel.checkpoint.convert import consolidate, consolidate_checkpoint
 from lit_parallel.checkpoint.load import LIGHTNING_META, IncompleteCheckpointError, verify_checkpoint
 from lit_parallel.reliability import RNG_KEY
-from tests.harness import launch
+from tests.harness import launch, launch_failing
 from tests.reference import assert_bitwise
 from tests.scenarios import reliability as sc
 
@@ -298,19 +298,9 @@ def test_the_same_processes_train_again_on_a_fresh_process_group(recovery):
 
 @pytest.fixture(scope="module")
 def raise_in_save(tmp_path_factory):
-    root = tmp_path_factory.mktemp("raise_torchrun")
-    data = root / "data"
-    data.mkdir()
-    start = time.time()
-    res = launch(
-        f"{SC}:raise_during_checkpoint_save",
-        2,
-        root,
-        args={"dir": str(data)},
-        timeout=300,
-        expect_failure=True,
+    return launch_failing(
+        tmp_path_factory, "raise_torchrun", f"{SC}:raise_during_checkpoint_save", timeout=300
     )
-    return res, data, start + res.wall_s
 
 
 @pytest.mark.timeout(360)
@@ -346,20 +336,13 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_whole(raise_in_save,
 
 @pytest.fixture(scope="module")
 def rank0_raises(tmp_path_factory):
-    root = tmp_path_factory.mktemp("raise_lightning")
-    data = root / "data"
-    data.mkdir()
-    start = time.time()
-    res = launch(
+    return launch_failing(
+        tmp_path_factory,
+        "raise_lightning",
         f"{SC}:rank0_raises_while_rank1_is_stuck",
-        2,
-        root,
-        args={"dir": str(data)},
         launcher="lightning",
         timeout=200,
-        expect_failure=True,
     )
-    return res, data, start + res.wall_s
 
 
 @pytest.mark.timeout(260)
@@ -379,20 +362,13 @@ def test_rank0_failing_under_lightnings_launcher_stops_the_other_ranks(rank0_rai
 
 @pytest.fixture(scope="module")
 def rank0_killed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kill_lightning")
-    data = root / "data"
-    data.mkdir()
-    start = time.time()
-    res = launch(
+    return launch_failing(
+        tmp_path_factory,
+        "kill_lightning",
         f"{SC}:rank0_killed_while_rank1_is_stuck",
-        2,
-        root,
-        args={"dir": str(data)},
         launcher="lightning",
         timeout=200,
-        expect_failure=True,
     )
-    return res, data, start + res.wall_s
 
 
 @pytest.mark.timeout(260)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import torch
 
 from lit_parallel.reliability.signals import exit_status
 from lit_parallel.reliability.stall import STALL_EXIT_CODE
-from tests.harness import launch
+from tests.harness import launch_failing
 from tests.scenarios import reliability_stall as sc
 
 pytestmark = pytest.mark.multiprocess
@@ -46,20 +45,9 @@ def _stamp(path: Path) -> float:
 
 
 def _launch(tmp_path_factory, tag: str, scenarios: list[str], launcher: str, **args) -> tuple:
-    root = tmp_path_factory.mktemp(tag)
-    data = root / "data"
-    data.mkdir()
-    start = time.time()
-    res = launch(
-        [f"{SC}:{s}" for s in scenarios],
-        2,
-        root,
-        args={"dir": str(data), **args},
-        launcher=launcher,
-        timeout=400,
-        expect_failure=True,
+    return launch_failing(
+        tmp_path_factory, tag, [f"{SC}:{s}" for s in scenarios], args=args, launcher=launcher, timeout=400
     )
-    return res, data, start + res.wall_s
 
 
 def _line_of(marker: str) -> int:
