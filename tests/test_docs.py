@@ -40,6 +40,7 @@ GUIDES = [
     "checkpoints.md",
     "troubleshooting.md",
     "compatibility.md",
+    "validation.md",
     "recipes.md",
     "cli.md",
     "advise-accuracy.md",

@@ -1,0 +1,469 @@
+"""The sections of the device check: each a function ``(where) -> dict`` run in its own process.
+
+Each returns what it measured; an ``AssertionError`` or any other exception marks it failed (the runner
+records the traceback and goes on). ``SECTIONS`` lists them in the order they run: the ones most likely to
+find a CUDA-only defect first, throughput last.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+
+import lit_parallel as lp
+from tests.gpu.common import (
+    REPO_ROOT,
+    GPTModule,
+    StepPeaks,
+    Where,
+    cuda_sync_warnings,
+    finite,
+    largest_block_bytes,
+    lm_loss,
+    loader,
+    median,
+    model_bytes,
+    token_data,
+    trainer,
+)
+
+STRATEGIES = ("ddp", "ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp", "auto_parallel")
+STEPS = 6
+SYNC_WINDOW = (2, 5)  # batch indices of steps 3 to 6: after warm-up, the probe and the first allocations
+
+
+def make_strategy(name: str, **kwargs: Any) -> Any:
+    """``name`` at size 1 (one device); Lightning's own ``ddp`` is the reference."""
+    if name == "ddp":
+        return "ddp"
+    if name == "pp_dp":
+        return lp.PipelineParallelStrategy(pipeline_parallel_size=1, microbatches=2, **kwargs)
+    cls = {
+        "ddp_tuned": lp.TunedDDPStrategy,
+        "fsdp_blocks": lp.TransformerFSDPStrategy,
+        "hsdp": lp.HybridShardStrategy,
+        "tp_dp": lp.TensorParallelStrategy,
+        "auto_parallel": lp.AutoStrategy,
+    }[name]
+    return cls(**kwargs)
+
+
+# --- the environment -------------------------------------------------------------------------------------
+
+
+def environment(where: Where) -> dict:
+    import lightning
+
+    out: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    for name in ("transformers", "torchmetrics", "jsonargparse"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    if where.cuda:
+        assert torch.cuda.is_available(), "the device check needs CUDA (or --dry-run)"
+        props = torch.cuda.get_device_properties(0)
+        out.update(
+            device=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_bytes=props.total_memory,
+            device_count=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            bf16=torch.cuda.is_bf16_supported(),
+        )
+    return out
+
+
+# --- each strategy at size 1: bf16-mixed, clipping, host syncs, peaks against the planner ----------------
+
+
+class _SyncWindow(L.Callback):
+    """Counts host synchronisations over steps 3 to 6: ``aten._local_scalar_dense`` calls (every
+    ``.item()``/``float(t)``/``bool(t)``, on any device) and, on CUDA, every synchronisation the driver sees
+    (``set_sync_debug_mode("warn")``: device-to-host copies too)."""
+
+    def __init__(self, where: Where):
+        from lit_parallel.measure.host_syncs import HostSyncCounter
+
+        self.where = where
+        self.counter = HostSyncCounter()
+        self.cuda_syncs: list[str] = []
+        self._ctx: Any = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == SYNC_WINDOW[0]:
+            self._ctx = cuda_sync_warnings(self.where, self.cuda_syncs)
+            self._ctx.__enter__()
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == SYNC_WINDOW[1]:
+            self.counter.__exit__(None, None, None)
+            self._ctx.__exit__(None, None, None)
+
+    def per_step(self) -> dict:
+        steps = SYNC_WINDOW[1] - SYNC_WINDOW[0] + 1
+        return {
+            "steps": steps,
+            "local_scalar_dense": self.counter.count / steps,
+            "cuda_syncs": len(self.cuda_syncs) / steps,
+            "cuda_sync_messages": sorted(set(self.cuda_syncs))[:10],
+        }
+
+
+def _predicted_peak(where: Where, name: str) -> float | None:
+    from lit_parallel.planner.memory.predict import predict_peaks
+
+    cfg, b = where.config(), where.batch_size()
+    with torch.device("meta"):
+        model = GPTModule(cfg).model
+    report = predict_peaks(
+        model,
+        precision="bf16-mixed",
+        devices=1,
+        batch_size=b,
+        block_names=[f"h.{i}" for i in range(cfg.n_layer)],
+        device_type="cuda",
+        example_inputs=torch.zeros(b, cfg.block_size, dtype=torch.long, device="meta"),
+    )
+    key = "ddp_tuned" if name == "ddp" else name
+    return report.peaks[key].total if key in report.peaks else None
+
+
+def strategy_run(name: str) -> Callable[[Where], dict]:
+    def run(where: Where) -> dict:
+        cfg, b = where.config(), where.batch_size()
+        module = GPTModule(cfg)
+        weights = model_bytes(module.model)
+        block = largest_block_bytes(module.model)
+        ours = {} if name == "ddp" else {"preemption_signal": "SIGUSR1"}  # the preemption check is on
+        peaks, syncs = StepPeaks(where), _SyncWindow(where)
+        t = trainer(
+            where,
+            strategy=make_strategy(name, **ours),
+            precision="bf16-mixed",
+            max_steps=STEPS,
+            gradient_clip_val=1.0,
+            callbacks=[peaks, syncs],
+        )
+        if where.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t.fit(module, loader(cfg, STEPS * b, b))
+        losses = module.loss_values()
+        assert len(losses) == STEPS and finite(losses), f"{name}: losses {losses}"
+        out: dict[str, Any] = {
+            "strategy": type(t.strategy).__name__,
+            "losses": losses,
+            "host_syncs_per_step": syncs.per_step(),
+            "weights_bytes": weights,
+        }
+        if where.cuda:
+            predicted = _predicted_peak(where, name)
+            out.update(
+                setup_peak_bytes=peaks.setup_peak,
+                # the rank's own weights plus at most one block in flight while they are moved and synced
+                setup_bound_bytes=weights + block,
+                step_peak_bytes={"1": peaks.peaks[0], "3": peaks.peaks[2]},
+                predicted_peak_bytes=predicted,
+            )
+            if predicted:
+                out["measured_over_predicted"] = {k: v / predicted for k, v in out["step_peak_bytes"].items()}
+        return out
+
+    run.__name__ = f"strategy_{name}"
+    return run
+
+
+# --- DDP's gradient compression hooks ---------------------------------------------------------------------
+
+
+def ddp_comm_hooks(where: Where) -> dict:
+    cfg, b = where.config(), where.batch_size()
+    out = {}
+    # bf16 compression needs NCCL: the strategy refuses it on gloo (its own test), so the dry run skips it
+    for hook in ("bf16", "fp16", "powersgd") if where.cuda else ("fp16", "powersgd"):
+        module = GPTModule(cfg)
+        kw = {"powersgd_warmup_steps": 1} if hook == "powersgd" else {}
+        t = trainer(
+            where, strategy=lp.TunedDDPStrategy(comm_hook=hook, **kw), max_steps=4, precision="bf16-mixed"
+        )
+        t.fit(module, loader(cfg, 4 * b, b))
+        losses = module.loss_values()
+        assert len(losses) == 4 and finite(losses), f"comm_hook={hook}: losses {losses}"
+        out[hook] = losses
+    return out
+
+
+# --- torch.compile with a smaller last batch (a recompile late in training) under the stall watchdog -------
+
+
+def compile_last_batch(where: Where) -> dict:
+    cfg, b = where.config(), where.batch_size()
+    samples = 3 * b + 1  # the epoch's last batch holds one sample: a new shape, so a recompile
+    # inductor on CUDA; on the CPU dry run dynamo still traces and recompiles, without inductor's minutes
+    compile_arg: Any = True if where.cuda else {"backend": "eager"}
+    out = {}
+    for name in ("ddp_tuned", "fsdp_blocks"):
+        module = GPTModule(cfg)
+        peaks = StepPeaks(where)
+        # a stall limit far below a compile's duration: the watchdog must pause while torch compiles
+        t = trainer(
+            where,
+            strategy=make_strategy(name, compile=compile_arg, stall_timeout=30.0),
+            precision="bf16-mixed",
+            max_epochs=2,
+            callbacks=[peaks],
+        )
+        t.fit(module, loader(cfg, samples, b))
+        losses = module.loss_values()
+        assert len(losses) == 8 and finite(losses), f"{name}: losses {losses}"
+        out[name] = {"losses": losses, "step_seconds": [round(x, 3) for x in peaks.times]}
+    return out
+
+
+# --- meta-device models: init_from, reset_parameters, buffers nothing initialises --------------------------
+
+
+def meta_init(where: Where) -> dict:
+    cfg, b = where.config(), where.batch_size()
+    reference = GPTModule(cfg, seed=3)
+    path = where.tmp / "init_from.pt"
+    torch.save(reference.model.state_dict(), path)
+    expected = {k: v.float() for k, v in reference.model.state_dict().items()}
+    out = {}
+    for name in ("fsdp_blocks", "tp_dp", "pp_dp"):
+        module = GPTModule(cfg, meta=True)
+        kw = {"init_from": str(path)}
+        if name == "pp_dp":
+            strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=1, microbatches=2, **kw)
+        else:
+            strategy = make_strategy(name, **kw)
+        t = trainer(where, strategy=strategy, max_steps=1)
+        # lr 0: the one step leaves the weights as loaded
+        module.lr = 0.0
+        t.fit(module, loader(cfg, b, b))
+        got = _full_state(module.model)
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst == 0.0, f"{name}: init_from differs from the file by {worst}"
+        out[name] = {"max_abs_diff": worst, "loss": module.loss_values()[0]}
+    out["uninitialised_buffer"] = _uninitialised_buffer_error(where)
+    return out
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+        for k, v in model.state_dict().items()
+    }
+
+
+def _uninitialised_buffer_error(where: Where) -> dict:
+    """A module whose buffer nothing initialises, built on meta: materialising it is an error naming it."""
+    from lit_parallel.parallel.materialize import materialize_blocks
+
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), Table())
+    try:
+        list(materialize_blocks(m, [], where.device))
+    except Exception as err:  # noqa: BLE001  (the message is what is checked)
+        text = str(err)
+        assert "table" in text and "Table" in text, text
+        return {"raised": type(err).__name__, "message": text.splitlines()[0]}
+    raise AssertionError("materialising a buffer nothing initialises did not raise")
+
+
+# --- save and resume -------------------------------------------------------------------------------------
+
+
+def save_resume(where: Where) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cfg, b = where.config(), where.batch_size()
+    out = {}
+    for name in ("ddp_tuned", "fsdp_blocks"):
+        data = loader(cfg, 6 * b, b)
+        full = GPTModule(cfg)
+        trainer(where, strategy=make_strategy(name), max_steps=6).fit(full, data)
+        ckpt_dir = where.tmp / f"ckpt_{name}"
+        first = GPTModule(cfg)
+        save = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=3)
+        trainer(
+            where, strategy=make_strategy(name), max_steps=3, enable_checkpointing=True, callbacks=[save]
+        ).fit(first, data)
+        second = GPTModule(cfg, seed=99)  # other weights: the checkpoint must replace them
+        trainer(where, strategy=make_strategy(name), max_steps=6).fit(
+            second, data, ckpt_path=str(ckpt_dir / "last.ckpt")
+        )
+        resumed = first.loss_values() + second.loss_values()
+        worst = max(abs(x - y) / max(abs(y), 1e-6) for x, y in zip(resumed, full.loss_values()))
+        # the same kernels in the same order; CUDA's atomics in the embedding's backward are the only slack
+        assert worst < 1e-4, f"{name}: resumed losses {resumed} vs uninterrupted {full.loss_values()}"
+        out[name] = {"max_rel_diff": worst, "losses": resumed}
+    return out
+
+
+# --- the clipping norm's device and the RNG states of the rank's own device ------------------------------
+
+
+def clip_norm_device(where: Where) -> dict:
+    """FSDP2-sharded gradients: the norm comes back on their device (NCCL refuses CPU tensors)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lit_parallel.parallel.fsdp import apply_fsdp, clip_grad_norm_
+
+    dist.init_process_group(where.backend, init_method=f"file://{where.tmp / 'pg'}", rank=0, world_size=1)
+    try:
+        if where.cuda:
+            torch.cuda.set_device(0)
+        mesh = init_device_mesh(where.device.type, (1,), mesh_dim_names=("data_parallel",))
+        cfg = where.config()
+        module = GPTModule(cfg).model.to(where.device)
+        apply_fsdp(module, mesh, list(module.h))
+        x = token_data(cfg, 2)[:][0].to(where.device)
+        lm_loss(module(x), x).backward()
+        norm = clip_grad_norm_(module.parameters(), 0.5)
+        assert norm.device.type == where.device.type, f"norm on {norm.device}, gradients on {where.device}"
+        return {"norm_device": str(norm.device), "norm": float(norm)}
+    finally:
+        dist.destroy_process_group()
+
+
+def rng_states(where: Where) -> dict:
+    """The generator of the rank's own device is saved and restored, whatever else is visible."""
+    from lit_parallel.rng import capture_rng_state, restore_rng_state
+
+    torch.manual_seed(7)
+    torch.rand(1, device=where.device)  # CUDA's generator exists once something has drawn from it
+    state = capture_rng_state()
+    a = torch.rand(4, device=where.device)
+    torch.rand(100, device=where.device)
+    restore_rng_state(state)
+    again = torch.rand(4, device=where.device)
+    assert torch.equal(a, again), "restoring the saved states did not repeat the draws"
+    return {"keys": sorted(state), "repeated": True}
+
+
+# --- tests/strategies/test_fsdp_gpu.py, as pytest runs it ------------------------------------------------
+
+
+def fsdp_gpu_test(where: Where) -> dict:
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/strategies/test_fsdp_gpu.py",
+    ]
+    if where.dry:
+        args.append("--collect-only")  # the test needs CUDA: a dry run checks that it imports and collects
+    proc = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    return {"returncode": proc.returncode, "summary": tail.strip().splitlines()[-1]}
+
+
+# --- tokens/s of the GPT recipe model in bf16: a plain PyTorch loop and fsdp_blocks / ddp_tuned -----------
+
+
+def tokens_per_s(where: Where) -> dict:
+    cfg, b = where.config(large=True), where.batch_size(large=True)
+    steps, warmup = (4, 1) if where.dry else (30, 10)
+    tokens = b * cfg.block_size
+    out: dict[str, Any] = {"config": vars(cfg), "batch_size": b, "tokens_per_step": tokens}
+
+    torch.manual_seed(0)
+    module = GPTModule(cfg)
+    model = module.model.to(where.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = [(x.to(where.device), y.to(where.device)) for x, y in loader(cfg, steps * b, b)]
+    times = []
+    for x, y in data:
+        start = _now(where)
+        with torch.autocast(where.device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(_now(where) - start)
+    del model, opt, data
+    out["plain_pytorch"] = _throughput(times[warmup:], tokens)
+
+    for name in ("ddp_tuned", "fsdp_blocks"):
+        module = GPTModule(cfg, lr=1e-4)
+        timer = StepPeaks(where)
+        t = trainer(
+            where,
+            strategy=make_strategy(name),
+            precision="bf16-mixed",
+            max_steps=steps,
+            gradient_clip_val=1.0,
+            callbacks=[_Synchronize(where), timer],
+        )
+        t.fit(module, loader(cfg, steps * b, b))
+        out[name] = _throughput(timer.times[warmup:], tokens)
+        out[name]["vs_plain"] = out[name]["tokens_per_s"] / out["plain_pytorch"]["tokens_per_s"]
+    return out
+
+
+class _Synchronize(L.Callback):
+    """Waits for the device at each batch's start and end, so StepPeaks' wall times are the step's."""
+
+    def __init__(self, where: Where):
+        self.where = where
+
+    def on_train_batch_start(self, *args):
+        if self.where.cuda:
+            torch.cuda.synchronize()
+
+    def on_train_batch_end(self, *args):
+        if self.where.cuda:
+            torch.cuda.synchronize()
+
+
+def _now(where: Where) -> float:
+    import time
+
+    if where.cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _throughput(times: list[float], tokens: int) -> dict:
+    m = median(times)
+    return {"median_step_s": m, "tokens_per_s": tokens / m, "steps_timed": len(times)}
+
+
+SECTIONS: dict[str, Callable[[Where], dict]] = {
+    "environment": environment,
+    "clip_norm_device": clip_norm_device,
+    "rng_states": rng_states,
+    **{f"strategy_{name}": strategy_run(name) for name in STRATEGIES},
+    "ddp_comm_hooks": ddp_comm_hooks,
+    "meta_init": meta_init,
+    "compile_last_batch": compile_last_batch,
+    "save_resume": save_resume,
+    "fsdp_gpu_test": fsdp_gpu_test,
+    "tokens_per_s": tokens_per_s,
+}
