@@ -232,14 +232,11 @@ def _filled_by_state_dict(module: nn.Module, kind: str, name: str) -> bool:
 
 
 def _to_empty_meta(module: nn.Module, device: torch.device) -> list[tuple[str, str]]:
-    """Replace ``module``'s own meta tensors by uninitialised ones on ``device`` (tensors that are not on the
-    meta device keep their values, moved to ``device``); returns the (kind, name) of those that were meta."""
+    """Replace ``module``'s own meta tensors by uninitialised ones on ``device``; returns the (kind, name) of
+    those. Tensors not on the meta device keep their values (and objects: FSDP2 moves them to the device)."""
     made = []
     for kind, name, t in _own_states(module):
         if not t.is_meta:
-            if t.device != device and not t.is_meta:
-                moved = t.detach().to(device)
-                _assign(module, kind, name, t, moved)
             continue
         _assign(module, kind, name, t, torch.empty_like(t, device=device))
         made.append((kind, name))
@@ -259,7 +256,7 @@ def _fixes(filled_later: bool) -> str:
         "Fix one of: give the module a reset_parameters() that fills every tensor it owns (a buffer computed in"
         " __init__, such as a rotary table or a mask, must be recomputed there); build the buffer in __init__ on"
         " a real device (`torch.arange(..., device='cpu')` inside the meta context: tensors not on the meta"
-        " device are kept and moved); or pass init_from=FILE with a full state dict that holds it (parameters"
+        " device are kept); or pass init_from=FILE with a full state dict that holds it (parameters"
         " and persistent buffers only: a buffer registered with persistent=False is never in a state dict)"
         + ("." if not filled_later else "; init_from is given, so only non-persistent buffers are listed.")
     )

@@ -141,3 +141,29 @@ def test_hugging_face_llama_on_meta_gets_its_rotary_tables_and_norms_from_its_ow
     model.load_state_dict(reference.state_dict())
     tokens = torch.randint(0, 64, (2, 16))
     torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=0)
+
+
+def test_cpu_tensors_under_nccl_are_staged_on_the_gpu_in_pieces_of_at_most_the_cap(monkeypatch):
+    """NCCL cannot send CPU tensors: they go through one buffer of at most the cap on the GPU (no GPU here:
+    the staging device is the meta device and the collective is recorded, rank 0's side)."""
+    import lit_parallel.parallel.materialize as mat
+
+    monkeypatch.setattr(mat.dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(mat.torch.cuda, "current_device", lambda: 3)
+    assert mat._comm_device(torch.device("cpu")) == torch.device("cuda", 3)
+    monkeypatch.setattr(mat.dist, "get_backend", lambda *a: "cpu:gloo,cuda:nccl")
+    assert mat._comm_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(mat.dist, "get_backend", lambda *a: "gloo")
+    assert mat._comm_device(torch.device("cpu")) == torch.device("cpu")
+
+    sent: list[tuple[str, int]] = []
+    monkeypatch.setattr(mat, "_distributed", lambda: True)
+    monkeypatch.setattr(mat.dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(mat, "_comm_device", lambda device: torch.device("meta"))
+    monkeypatch.setattr(mat.dist, "broadcast", lambda t, src: sent.append((t.device.type, t.nbytes)))
+    cap = 1024
+    big = torch.zeros(10 * cap // 4 + 3)  # 10 pieces of the cap and 12 bytes
+    small = [torch.zeros(100) for _ in range(5)]  # 400 bytes each: two per packed buffer
+    mat.broadcast_from_rank0([big, *small], chunk_bytes=cap)
+    assert all(device == "meta" for device, _ in sent)
+    assert sorted(n for _, n in sent) == sorted([cap] * 10 + [12] + [800, 800, 400])
