@@ -50,6 +50,10 @@ class ParallelizeConfig:
         forward_methods: methods of the module besides ``forward`` that run the model
             (``"training_step"``, ...): FSDP gathers the root group's parameters around them.
         sync_module_states: for a module not on the meta device, copy rank 0's weights to every rank first.
+        sync_chunk_bytes: the most extra memory that copy allocates at once (``None``:
+            :data:`~lit_parallel.parallel.materialize.SYNC_CHUNK_BYTES`, 64 MiB).
+        filled_by_state_dict: a full state dict is loaded afterwards (``init_from``): parameters and
+            persistent buffers of a meta-device module need no initialiser, only non-persistent buffers do.
     """
 
     block_types: BlockTypes | BlockPlan = "auto"
@@ -61,6 +65,8 @@ class ParallelizeConfig:
     offload: OffloadPolicy | None = None
     forward_methods: Iterable[str] = ()
     sync_module_states: bool = True
+    sync_chunk_bytes: int | None = None
+    filled_by_state_dict: bool = False
 
 
 def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig | None = None) -> BlockPlan:
@@ -76,7 +82,7 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
     sync = config.sync_module_states
     if config.tp_plan is not None:
         # Tensor parallelism first: it turns parameters into DTensors that FSDP then shards further.
-        apply_tensor_parallel(module, dims, config.tp_plan)
+        apply_tensor_parallel(module, dims, config.tp_plan, chunk_bytes=config.sync_chunk_bytes)
         sync = False  # each rank already took its TP shard from rank 0's weights
     for block in blocks:
         # Activation checkpointing wraps the block's forward; FSDP's hooks stay outside it, so the
@@ -88,7 +94,14 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
             apply_compile(block, {} if config.compile is True else config.compile)
     # FSDP last, bottom-up: each block is materialised (or synced from rank 0) just before it is sharded, so
     # no rank ever holds more than one whole block beyond its shards; the root group comes after the blocks.
-    ready = materialize_blocks(module, blocks, mesh_device(dims.mesh), sync_from_rank0=sync)
+    ready = materialize_blocks(
+        module,
+        blocks,
+        mesh_device(dims.mesh),
+        sync_from_rank0=sync,
+        filled_by_state_dict=config.filled_by_state_dict,
+        chunk_bytes=config.sync_chunk_bytes,
+    )
     apply_fsdp(
         module,
         dims.fsdp_mesh(),
@@ -101,13 +114,16 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
     return plan
 
 
-def apply_tensor_parallel(module: nn.Module, dims: ParallelDims, plan: TPPlan) -> None:
-    """Apply ``plan`` over the tensor-parallel mesh; every rank takes its shard locally from rank 0's weights."""
+def apply_tensor_parallel(
+    module: nn.Module, dims: ParallelDims, plan: TPPlan, *, chunk_bytes: int | None = None
+) -> None:
+    """Apply ``plan`` over the tensor-parallel mesh; every rank takes its shard locally from rank 0's weights
+    (copied in pieces of at most ``chunk_bytes``, see :func:`broadcast_from_rank0`)."""
     from lit_parallel.parallel.tensor_parallel import apply_tp
 
     if not has_meta(module):
         # Every rank starts from rank 0's weights, so each one can take its shard locally (no scatter).
-        broadcast_from_rank0([*module.parameters(), *module.buffers()])
+        broadcast_from_rank0([*module.parameters(), *module.buffers()], chunk_bytes)
     apply_tp(module, dims.tp_mesh(), plan, src_data_rank=None)
 
 

@@ -317,6 +317,7 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
             mp_policy=self._mp_policy,
             offload=offload_policy(self._cpu_offload, self.root_device),
             forward_methods=STEP_METHODS,
+            filled_by_state_dict=self._init_from is not None,
         )
 
     # --- reliability (lit_parallel.reliability; the other hooks: ReliableTrainingMixin) -------------------

@@ -33,6 +33,7 @@ from lit_parallel.parallel.mesh import ParallelDims, Size, check_size
 from lit_parallel.parallel.pipeline.checkpoint import (
     globalize_param_groups,
     load_full_checkpoint_file,
+    load_full_state_dict_into_stages,
     load_pipeline_checkpoint,
 )
 from lit_parallel.parallel.pipeline.plan import ZERO_BUBBLE, check_schedule, plan_pipeline
@@ -99,6 +100,10 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         split: ``"auto"``: stages start at block boundaries, balanced by parameter count (embeddings on the
             first stage, final norm and head on the last); or the names of the blocks where stages 2, 3, ...
             start (``["h.2"]``).
+        init_from: a full ``state_dict`` file (keys of the LightningModule) loaded into the stages after
+            setup: rank 0 reads it, every rank keeps its own stages' entries. Combine with a model built on the
+            meta device in ``configure_model``: each rank then materialises only its own stages (modules'
+            ``reset_parameters`` draw the random numbers of a whole-model initialisation).
         block_types, reshard_after_forward, mixed_precision, activation_checkpointing, process_group_backend,
         timeout, debug_level, watchdog, preemption_signal, stall_timeout, auto_resume: as in ``fsdp_blocks``.
 
@@ -122,6 +127,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         reshard_after_forward: bool = True,
         mixed_precision: MixedPrecisionPolicy | None = None,
         activation_checkpointing: bool = False,
+        init_from: str | Path | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         debug_level: DebugLevel | None = None,
@@ -145,6 +151,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             reshard_after_forward=reshard_after_forward,
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
+            init_from=init_from,
             save_distributed_checkpoint=True,
             **CommonArguments.pick(locals()),
         )
@@ -246,8 +253,12 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             mp_policy=self._mp_policy,
             reshard_after_forward=self._reshard_after_forward,
             shard=self._schedule not in ZERO_BUBBLE,
+            filled_by_state_dict=self._init_from is not None,
         )
         self._stages = stages
+        if self._init_from is not None:
+            load_full_state_dict_into_stages(self.model, self._init_from if self.global_rank == 0 else None)
+            info(f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the stages")
         self.precision_plugin.pp_group = self._pp_group()  # type: ignore[attr-defined]
 
     def _pp_group(self) -> Any:

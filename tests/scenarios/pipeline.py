@@ -336,3 +336,47 @@ def recipe_gpt_pp(ctx):
         "val_loss": float(t.callback_metrics["val_loss"]),
         "checkpoints": sorted(str(p) for p in Path(ctx.outdir).glob("runs/*/version_*/checkpoints/*")),
     }
+
+
+# --- a model built on the meta device: reset_parameters or init_from (tests/strategies/test_pipeline.py) ----
+
+
+class MetaPipeModel(PipeModel):
+    """Builds its model on the meta device in configure_model: each rank materialises only its stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = None
+        self.rng_state_at_init: torch.Tensor | None = None
+
+    def configure_model(self):
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            self.model = GPT(GPTConfig(n_layer=N_LAYER, block_size=SEQ))
+        self.rng_state_at_init = torch.get_rng_state()
+
+
+class _Held(Callback):
+    """This rank's stage parameters once the strategy has set the model up, before any step."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.params = local_params(pl_module)
+
+
+def meta_init(ctx):
+    """pp2 on a meta-device model: by each module's reset_parameters, and from a full state dict file
+    (``init_from``; rank 1 is given a path that does not exist: only rank 0 reads it)."""
+    out = {}
+    torch.manual_seed(1000 + ctx.rank)  # ranks start from different generator states: rank 0's must win
+    model, held = MetaPipeModel(), _Held()
+    t = trainer(ctx, _pp(), max_steps=1, callbacks=[held])
+    t.fit(model, DataLoader(lm_dataset(), batch_size=4))
+    out["reset"] = {"params": held.params, "rng_state": model.rng_state_at_init}
+    path = ctx.args["pretrained"] if ctx.rank == 0 else "/nonexistent/weights.pt"
+    held = _Held()
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, init_from=path)
+    t = trainer(ctx, strategy, max_steps=1, callbacks=[held])
+    t.fit(MetaPipeModel(), DataLoader(lm_dataset(), batch_size=4))
+    out["init_from"] = {"params": held.params}
+    return out

@@ -14,6 +14,7 @@ from tests.harness import launch
 from tests.models import GPT, GPTConfig, tanh_mlp
 from tests.reference import assert_rel_close, collate, reference_training
 from tests.scenarios import fsdp as sc
+from tests.scenarios import materialize as msc
 
 pytestmark = pytest.mark.multiprocess
 WORLD = 2
@@ -75,7 +76,8 @@ def pretrained(tmp_path_factory):
 def run(tmp_path_factory, pretrained):
     """One torchrun launch of 2 ranks runs every scenario."""
     return launch(
-        [f"tests.scenarios.fsdp:{n}" for n in SCENARIOS],
+        # the rank-0 copy's memory under fsdp_blocks, tp_dp and pp_dp (tests/scenarios/materialize.py) too
+        [*(f"tests.scenarios.fsdp:{n}" for n in SCENARIOS), "tests.scenarios.materialize:sync_memory"],
         WORLD,
         tmp_path_factory.mktemp("fsdp"),
         args={"pretrained": str(pretrained[0])},
@@ -397,3 +399,35 @@ def test_model_without_repeated_blocks_is_sharded_in_size_groups_exactly_and_hol
         assert m["params"] == 4 * MLP_PARAMS // WORLD, rank
         assert m["grads"] == 4 * MLP_PARAMS // WORLD, rank
         assert m == fsdp2_adamw_bytes(tanh_mlp(), WORLD, rank), rank  # exactly, shape by shape
+
+
+def _block_half_bytes(block: torch.nn.Module) -> int:
+    """What a rank newly holds of a block split in two: FSDP2's dim-0 chunk of every tensor (ceil(rows / 2)
+    rows), at least the tensor-parallel half (a replicated bias is smaller than a row chunk of its weight)."""
+    return sum(4 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in block.parameters())
+
+
+@pytest.mark.timeout(480)
+def test_rank0_copy_of_a_model_not_on_meta_holds_at_most_one_chunk_beyond_the_block_being_split(run):
+    model = msc.build(seed=0)
+    blocks = list(model.h)
+    block_bytes = [4 * sum(p.numel() for p in b.parameters()) for b in blocks]
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert msc.CHUNK * 4 <= min(block_bytes)  # the cap is well below a block: a whole-block copy shows
+    bound = msc.CHUNK + max(_block_half_bytes(b) for b in blocks)
+    assert bound < max(block_bytes) < model_bytes / 4
+    expected = model.state_dict()
+    for rank, out in enumerate(run.scenario("sync_memory")):
+        for layout in ("fsdp_blocks", "tp_dp", "pp_dp"):
+            extra = out[layout]["extra"]
+            assert 0 < extra <= bound, f"rank {rank} {layout}: {extra} extra bytes > {bound}"
+        # rank 0's weights won (every rank built its own from its seed)
+        for layout in ("fsdp_blocks", "tp_dp"):
+            if rank == 0:
+                assert set(out[layout]["params"]) == set(expected)
+            for k, v in out[layout]["params"].items():
+                torch.testing.assert_close(v, expected[k], rtol=0, atol=0, msg=f"{layout} {k}")
+        held = out["pp_dp"]["params"]
+        assert held and set(held) <= set(expected)
+        for k, v in held.items():
+            torch.testing.assert_close(v, expected[k], rtol=0, atol=0, msg=f"pp_dp rank {rank} {k}")

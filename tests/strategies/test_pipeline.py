@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.harness import launch
+from tests.models import GPT, GPTConfig
 from tests.reference import assert_rel_close, collate, reference_training
 from tests.scenarios import pipeline as sc
 
@@ -21,10 +22,24 @@ BATCH = 4  # per data-parallel rank
 
 
 @pytest.fixture(scope="module")
-def run2(tmp_path_factory):
+def pretrained(tmp_path_factory):
+    """A full state dict file (keys of the LightningModule) for ``init_from``."""
+    state = {f"model.{k}": v for k, v in sc.build_model(seed=123).state_dict().items()}
+    path = tmp_path_factory.mktemp("pretrained") / "weights.pt"
+    torch.save(state, path)
+    return path, state
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory, pretrained):
     names = ["parity_pp2", "missing_hook", "memory_and_p2p", "options", "smaller_last_batch", "checkpoints"]
+    names.append("meta_init")
     return launch(
-        [f"tests.scenarios.pipeline:{n}" for n in names], 2, tmp_path_factory.mktemp("pp2"), timeout=1500
+        [f"tests.scenarios.pipeline:{n}" for n in names],
+        2,
+        tmp_path_factory.mktemp("pp2"),
+        args={"pretrained": str(pretrained[0])},
+        timeout=1500,
     )
 
 
@@ -291,3 +306,26 @@ def test_test_runs_through_the_stages_and_reports_the_mean_loss_on_every_rank(ru
         assert_rel_close(
             torch.tensor(out["checkpointing"]["test_loss"]), torch.tensor(sum(per_batch) / 4), what="test"
         )
+
+
+@pytest.mark.timeout(1600)
+def test_meta_device_model_gets_the_weights_of_the_model_built_normally_on_its_stages(run2):
+    per_rank = [out["reset"] for out in run2.scenario("meta_init")]
+    # every rank drew rank 0's random numbers in the whole model's order: the weights of building it normally
+    torch.set_rng_state(per_rank[0]["rng_state"])
+    built = GPT(GPTConfig(n_layer=sc.N_LAYER, block_size=sc.SEQ))
+    expected = {f"model.{k}": v for k, v in built.state_dict().items()}
+    merged = _merged([{"params": out["params"]} for out in per_rank])
+    assert set(merged) == set(expected)
+    assert all(out["params"] and len(out["params"]) < len(expected) for out in per_rank)  # stages only
+    for k, v in expected.items():
+        torch.testing.assert_close(merged[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.timeout(1600)
+def test_meta_device_model_is_filled_from_init_from_read_on_rank_0_only(run2, pretrained):
+    _, state = pretrained
+    merged = _merged([{"params": out["init_from"]["params"]} for out in run2.scenario("meta_init")])
+    assert set(merged) == set(state)
+    for k, v in state.items():
+        torch.testing.assert_close(merged[k], v, rtol=0, atol=0, msg=k)

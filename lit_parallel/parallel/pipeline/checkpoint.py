@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["globalize_param_groups", "localize_param_groups"]
+__all__ = ["globalize_param_groups", "load_full_state_dict_into_stages", "localize_param_groups"]
 
 
 def globalize_param_groups(state: dict[str, Any], order: dict[str, int], group: Any) -> dict[str, Any]:
@@ -120,3 +120,32 @@ def load_full_checkpoint_file(
             options=options if has_tensors else StateDictOptions(strict=strict),
         )
     return checkpoint
+
+
+def load_full_state_dict_into_stages(module: Any, path: Any) -> None:
+    """``init_from`` for pipeline stages: rank 0 reads the full state dict file (memory-mapped), every rank
+    receives it one tensor at a time and keeps its own stages' entries (its shards of them). Every rank's
+    keys must be in the file: the ranks that miss some are named, on every rank, before any tensor moves."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full: dict = {}
+    if dist.get_rank() == 0:
+        full = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    keys: list[Any] = [sorted(full) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(keys, src=0)
+    mine = sorted(set(module.state_dict()) - set(keys[0]))
+    missing: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(missing, mine)
+    if any(missing):
+        where = "; ".join(
+            f"rank {r}: {m[:5]}{' ...' if len(m) > 5 else ''}" for r, m in enumerate(missing) if m
+        )
+        raise KeyError(
+            f"init_from={str(path)!r} lacks entries of the pipeline stages ({where}); save the whole model's"
+            " state_dict (keys of the LightningModule), e.g. with `lit-parallel consolidate`"
+        )
+    # strict=False: rank 0's dict holds every stage's entries, each rank loads only its own (checked above)
+    set_model_state_dict(
+        module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    )

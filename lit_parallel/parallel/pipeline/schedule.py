@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_parallel.parallel.fsdp import apply_fsdp, clip_grad_norm_
-from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta
+from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_owned, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import apply_activation_checkpointing
 from lit_parallel.parallel.pipeline.plan import SCHEDULES, PipelinePlan
@@ -48,18 +48,25 @@ def parallelize_stages(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     shard: bool = True,
+    filled_by_state_dict: bool = False,
+    sync_chunk_bytes: int | None = None,
 ) -> list[StageModule]:
     """Prune ``model`` to this rank's stages and parallelize each stage over the data-parallel ranks
-    (``shard=False``: no FSDP2, for the zero-bubble schedules on one data-parallel rank)."""
-    if has_meta(model):
-        raise ValueError(
-            "pp_dp needs the model materialised on every rank (it cuts the stages from it); build it on a"
-            " real device, not under torch.device('meta')"
-        )
-    # Every rank starts from rank 0's weights (the whole model, before the stages are cut from it), so each
-    # one can take its stages' pieces and tensor-parallel shards locally.
-    broadcast_from_rank0([*model.parameters(), *model.buffers()])
+    (``shard=False``: no FSDP2, for the zero-bubble schedules on one data-parallel rank).
+
+    A model on the meta device is materialised first, only this rank's stages kept, with the random numbers
+    of a whole-model initialisation (:func:`~lit_parallel.parallel.materialize.materialize_owned`);
+    ``filled_by_state_dict``: a full state dict is loaded afterwards (``init_from``)."""
     pp_rank = dims.mesh["pipeline_parallel"].get_local_rank()
+    if has_meta(model):
+        mine = [p for s in plan.stages_of(pp_rank) for p in s.pieces]
+        every = [p for s in plan.stages for p in s.pieces]
+        device = mesh_device(dims.mesh)
+        materialize_owned(model, mine, every, device, filled_by_state_dict=filled_by_state_dict)
+    else:
+        # Every rank starts from rank 0's weights (the whole model, before the stages are cut from it), so each
+        # one can take its stages' pieces and tensor-parallel shards locally; copied in bounded pieces.
+        broadcast_from_rank0([*model.parameters(), *model.buffers()], sync_chunk_bytes)
     stages = build_stage_modules(model, plan, pp_rank)
     if tp_plan is not None:
         apply_tp(model, dims.tp_mesh(), _present_part(tp_plan, model), src_data_rank=None)

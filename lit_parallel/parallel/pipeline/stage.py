@@ -9,9 +9,8 @@ so parameter names and state-dict keys stay those of the whole model and checkpo
   :class:`_Skip` that returns zeros of the right shape; the first block's input is then replaced by the
   activation received from the previous stage;
 - after its last block (on stages before the last), the block's output is taken as the stage's output and
-  the rest of ``forward`` runs on :class:`_Skip` zeros (cheap, and discarded); blocks in an ``nn.Sequential``
-  run on to the later stages' blocks as skips too, so a head after blocks that change the shape (a ResNet's
-  wider stages) gets the shape it expects.
+  the rest of ``forward`` does not run: the block's forward hook ends the model's ``forward`` there (an
+  exception the stage catches), so a stage without the head allocates no logits at all.
 
 Stages other than the first also receive the micro-batch's inputs from the previous stage (token ids are
 small), so code in ``forward`` that reads them (shapes, masks) sees the real values. A module that would be
@@ -55,6 +54,10 @@ class _StageState:
         self.output: Any = None
 
 
+class _StageDone(Exception):
+    """Raised after a non-last stage's last block: the rest of the model's ``forward`` is not this stage's."""
+
+
 class _Skip(nn.Module):
     """Stands in for a module another stage owns: returns zeros shaped like that module's output."""
 
@@ -71,10 +74,7 @@ class _Skip(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state
         stage = state.stage
-        legit = stage is not None and (
-            (state.phase == "prefix" and not stage.plan.index == 0)
-            or (state.phase == "suffix" and not stage.is_last)
-        )
+        legit = stage is not None and state.phase == "prefix" and not stage.plan.index == 0
         if not legit:
             where = stage.plan.index if stage is not None else "?"
             raise RuntimeError(
@@ -124,7 +124,6 @@ class StageModule(nn.Module):
         stage: StagePlan,
         skips: dict,
         state: _StageState,
-        block_skips: dict[str, _Skip] | None = None,
     ):
         super().__init__()
         self.plan = stage
@@ -135,12 +134,6 @@ class StageModule(nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_container", modules[plan.container] if plan.container else model)
         self._blocks = {name.rsplit(".", 1)[-1]: modules[name] for name in stage.blocks}
-        if not self.is_last and isinstance(self._container, nn.Sequential):
-            # a Sequential runs as one call: later stages' blocks run as skips so that what follows it sees
-            # the shapes they make (a ResNet's wider stages); a ModuleList's loop just ends at this stage
-            order = [n.rsplit(".", 1)[-1] for s in plan.stages for n in s.blocks]
-            later = order[order.index(stage.blocks[-1].rsplit(".", 1)[-1]) + 1 :]
-            self._blocks.update({k: block_skips[k] for k in later})
         object.__setattr__(self, "_first", modules[stage.blocks[0]])
         object.__setattr__(self, "_last", modules[stage.blocks[-1]])
         self._state = state
@@ -172,9 +165,12 @@ class StageModule(nn.Module):
         inputs = args if first else args[1:]
         state.stage, state.phase, state.output = self, "prefix", None
         state.inject = None if first else args[0]
+        out = None
         try:
             with self._in_place():
                 out = self._model(*inputs)
+        except _StageDone:
+            pass  # a stage before the last: its output is its last block's (state.output)
         finally:
             state.stage = None
         result = out if self.is_last else (state.output, *inputs)
@@ -210,6 +206,9 @@ class StageModule(nn.Module):
         if state.stage is self and block is self._last:
             state.phase = "suffix"
             state.output = output
+            if not self.is_last:
+                # after FSDP's post-forward (registered first); nothing after this block is this stage's
+                raise _StageDone
 
     def register_hooks(self) -> None:
         """Call after FSDP: the input swap runs before FSDP's pre-forward, the capture after its post-forward."""
@@ -235,9 +234,7 @@ def build_stage_modules(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> l
             if name not in kept:
                 parent._modules[attr] = skip  # free the pieces of other ranks' stages
     container = modules[plan.container] if plan.container else model
-    # every block as a skip (a parameter-free meta copy), made before other stages' blocks are freed
-    block_skips = {n.rsplit(".", 1)[-1]: _Skip(n, modules[n], state) for s in plan.stages for n in s.blocks}
     container._modules = {
         k: m for k, m in container._modules.items() if f"{plan.container}.{k}".lstrip(".") in kept
     }
-    return [StageModule(model, plan, stage, others, state, block_skips) for stage in mine]
+    return [StageModule(model, plan, stage, others, state) for stage in mine]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import lit_parallel as lp
+from lit_parallel._compat import TorchDispatchMode, storage_key, tree_flatten
 from lit_parallel.parallel.blocks import find_transformer_blocks
 from lit_parallel.parallel.mesh import PP, ParallelDims
 from lit_parallel.parallel.pipeline.plan import (
@@ -20,7 +21,7 @@ from lit_parallel.parallel.pipeline.plan import (
     plan_pipeline,
     stage_to_rank,
 )
-from tests.models import GPT, GPTConfig
+from tests.models import GPT, GPTBlock, GPTConfig
 
 
 def _brute_force(weights: list[int], parts: int) -> int:
@@ -179,12 +180,13 @@ def test_pipeline_rule_holds_only_when_the_model_fits_cut_into_stages_across_nod
     assert pipeline_check(advise(params=700e9, devices=8, nodes=4, memory_gb=80))[0] is False
 
 
-def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects():
-    """A ResNet's later stages widen the channels; on the first pipeline stage the head (another stage's) and
-    the later blocks run as skips, so the head must see the shape the later blocks make, not its input's."""
+def test_a_first_stage_stops_after_its_last_block_when_later_blocks_change_the_shape():
+    """A ResNet's later stages widen the channels; the first pipeline stage ends the model's forward at its
+    last block (nothing after it, not the head nor the later blocks, runs there), and the second stage's
+    skip of the stem works out its output's shape on meta once per input shape."""
     import copy
 
-    from lit_parallel.parallel.pipeline.stage import build_stage_modules
+    from lit_parallel.parallel.pipeline.stage import _Skip, build_stage_modules
 
     class Widen(nn.Module):
         def __init__(self, cin: int, cout: int) -> None:
@@ -209,10 +211,13 @@ def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects(
     model = ResNetLike()  # blocks 8 -> 16 -> 32 channels, head Linear(32, 10)
     reference = copy.deepcopy(model)
     plan = plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="1F1B", microbatches=2)
-    first = plan.stages[0]
+    first, second = plan.stages
     assert first.blocks[-1] != "stages.2"  # the last block (and the head) belong to the second stage
     stage = build_stage_modules(model, plan, pp_rank=0)[0]
     stage.register_hooks()
+    ran_after: list[str] = []
+    for name, (_, _, _, skip) in stage._others.items():
+        skip.register_forward_pre_hook(lambda m, a, name=name: ran_after.append(name))
     x = torch.randn(4, 1, 8, 8)
     activation, inputs = stage(x)
     # the activation is the first stage's last block's output, computed on the unpruned copy
@@ -220,19 +225,67 @@ def test_a_first_stage_runs_when_later_blocks_change_the_shape_the_head_expects(
     for name in first.blocks:
         h = reference.get_submodule(name)(h)
     assert torch.equal(activation, h) and torch.equal(inputs, x)
-    # the skips compute their output's shape on meta once per input shape, not once per micro-batch
-    from lit_parallel.parallel.pipeline.stage import _Skip
-
-    skips = [t[3] for t in stage._others.values()] + [
-        m for m in stage._blocks.values() if isinstance(m, _Skip)
-    ]
-    calls: list[str] = []
-    for skip in skips:
-        skip._meta.register_forward_hook(lambda m, a, o, name=skip._name: calls.append(name))
-    again, _ = stage(torch.randn(4, 1, 8, 8))
-    assert calls == [] and again.shape == activation.shape
-    stage(torch.randn(2, 1, 8, 8))  # a new micro-batch shape: each skip that runs works it out once
-    ran = list(calls)
-    assert "head" in ran and "stages.2" in ran
     stage(torch.randn(2, 1, 8, 8))
-    assert calls == ran
+    assert ran_after == []  # neither the head's skip nor anything after the stage's blocks ran
+    # the second stage: the stem is another stage's, its skip computes its output's shape once per shape
+    later = build_stage_modules(copy.deepcopy(reference), plan, pp_rank=1)[0]
+    later.register_hooks()
+    skip = later._others["stem"][3]
+    assert isinstance(skip, _Skip)
+    calls: list[str] = []
+    skip._meta.register_forward_hook(lambda m, a, o: calls.append("stem"))
+    out = later(activation, x)
+    assert calls == ["stem"] and out.shape == (4, 10)
+    later(torch.randn_like(activation), torch.randn(4, 1, 8, 8))
+    assert calls == ["stem"]
+    later(torch.randn(2, *activation.shape[1:]), torch.randn(2, 1, 8, 8))  # a new micro-batch shape
+    assert calls == ["stem", "stem"]
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Bytes of every new storage an op returns (views of an input's storage are not new), and the largest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # keys of storages live now (a freed storage's key may be reused later, so none is kept across ops)
+        seen = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and storage_key(t) not in seen:
+                seen.add(storage_key(t))
+                self.total += t.untyped_storage().nbytes()
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def test_a_stage_without_the_head_allocates_no_logits_per_micro_batch():
+    """Per micro-batch, a stage before the last allocates exactly what the model's own forward allocates up
+    to that stage's last block (counted by a dispatch mode over every op's new storages): nothing for the
+    final norm or the head, so not the ``micro-batch x sequence x vocabulary`` logits."""
+    from lit_parallel.parallel.pipeline.stage import build_stage_modules
+
+    cfg = GPTConfig(vocab_size=512, n_layer=4, block_size=8, n_embd=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    blocks = find_transformer_blocks(model, {GPTBlock})
+    plan = plan_pipeline(model, blocks, pp_size=2, schedule="1F1B", microbatches=2)
+    blocks = plan.stages[0].blocks
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    # the model's own forward (tests/models.py GPT) up to the first stage's last block, on the same weights
+    with torch.no_grad(), AllocatedBytes() as expected:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = model.wte(idx) + model.wpe(pos)
+        for name in blocks:
+            x = model.get_submodule(name)(x)
+    stage = build_stage_modules(model, plan, pp_rank=0)[0]
+    stage.register_hooks()
+    stage(idx)  # the first call works nothing out that later ones reuse, but run one anyway
+    with torch.no_grad(), AllocatedBytes() as counted:
+        activation, _ = stage(idx)
+    assert torch.equal(activation, x)
+    logits = 2 * cfg.block_size * cfg.vocab_size * 4
+    assert counted.total == expected.total, (counted.total, expected.total, logits)
+    assert counted.largest < logits
