@@ -18,7 +18,13 @@ from rich.markup import escape
 
 from lit_parallel.formatting import format_bytes
 from lit_parallel.planner.precision import PRECISION_ALIASES, canonical_precision
-from lit_parallel.planner.rules import PRECISIONS, Advice, advise
+from lit_parallel.planner.rules import (
+    CUDA_RESERVED_BYTES,
+    DEFAULT_MEMORY_HEADROOM,
+    PRECISIONS,
+    Advice,
+    advise,
+)
 
 EPILOG = """examples:
   lit-parallel advise --params 7B --devices 8 --memory-gb 80
@@ -100,6 +106,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="memory of one device in GB (1e9 bytes); default: the first GPU's, or RAM / devices",
+    )
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=DEFAULT_MEMORY_HEADROOM,
+        help=f"share of device memory a strategy must leave free to fit (default {DEFAULT_MEMORY_HEADROOM});"
+        f" on a GPU a further {CUDA_RESERVED_BYTES / 1e9:g} GB per process is kept for the CUDA context and NCCL",
     )
     p.add_argument(
         "--precision",
@@ -203,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         devices=devices,
         nodes=args.nodes,
         memory_gb=args.memory_gb,
+        memory_headroom=args.memory_headroom,
         precision=args.precision,
         block_params=parse_count(args.block_params) if args.block_params else None,
         batch_size=args.batch_size,
@@ -310,7 +324,7 @@ def _advice_table(a: Advice) -> Any:
     if act is not None:
         table.add_column("activations", justify="right")
         table.add_column("total", justify="right")
-    table.add_column(f"fits {format_bytes(a.memory_bytes, decimal=True)}", justify="center")
+    table.add_column(f"fits {format_bytes(a.usable_bytes, decimal=True)}", justify="center")
     for r in a.rows:
         cells = [
             r.name,
@@ -337,7 +351,8 @@ def print_advice(a: Advice) -> None:
     b = a.bytes
     console.print(
         f"[bold]lit-parallel advise[/bold]: {what}{a.params:,} parameters on {a.nodes} node(s) x {a.devices}"
-        f" device(s) = {a.world_size} ranks; {format_bytes(a.memory_bytes, decimal=True)} per device ({a.memory_source});"
+        f" device(s) = {a.world_size} ranks; {format_bytes(a.memory_bytes, decimal=True)} per device ({a.memory_source};"
+        f" {a.headroom_phrase()});"
         f" precision {a.precision}: {b.params} + {b.grads} + {b.optimizer} = {b.total} bytes per parameter"
     )
     if a.model is not None and a.model.block_description:

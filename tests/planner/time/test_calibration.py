@@ -313,7 +313,7 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
         "--devices",
         "2",
         "--memory-gb",
-        "1",
+        "2",
         "--batch-size",
         "4",
         "--input-shape",
