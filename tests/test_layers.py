@@ -29,7 +29,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("lit_parallel.planner",),
     ("lit_parallel.parallel",),
     ("lit_parallel.measure", "lit_parallel.checkpoint", "lit_parallel.nn"),
-    ("lit_parallel._compat", "lit_parallel._logging", "lit_parallel.rng", "lit_parallel.formatting"),
+    (
+        "lit_parallel._compat",
+        "lit_parallel._logging",
+        "lit_parallel.rng",
+        "lit_parallel.formatting",
+        "lit_parallel.devices",
+    ),
 )
 
 # Layers inside a package, top to bottom; a package not named here has no order inside, only no cycles.

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from lit_parallel.checkpoint.load import load_sharded, verify_checkpoint
-from lit_parallel.checkpoint.write import LIGHTNING_META, ForeignDestinationError, atomic_save
+from lit_parallel.checkpoint.load import load_lightning_meta, load_sharded, verify_checkpoint
+from lit_parallel.checkpoint.write import ForeignDestinationError, atomic_save
 
 
 def consolidate(
@@ -112,9 +112,7 @@ def full_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
     checkpoint_dir = Path(checkpoint_dir)
     verify_checkpoint(checkpoint_dir)
     raw = load_sharded(checkpoint_dir)
-    checkpoint: dict[str, Any] = torch.load(
-        checkpoint_dir / LIGHTNING_META, map_location="cpu", weights_only=True
-    )
+    checkpoint = load_lightning_meta(checkpoint_dir)
     checkpoint["state_dict"] = {k: v.detach().contiguous().clone() for k, v in raw.pop("state_dict").items()}
     optimizers = sorted((k for k in raw if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_optimizer_state_by_index(raw[k]) for k in optimizers]

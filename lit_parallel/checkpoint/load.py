@@ -92,9 +92,19 @@ def read_dcp_metadata(checkpoint_dir: str | Path):
         return _MetadataUnpickler(f, str(path)).load()
 
 
+def load_lightning_meta(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """Lightning's ``meta.pt`` of a sharded checkpoint (loops, callbacks, RNG states), onto the CPU.
+
+    Rank 0 writes it with tensors where they were (a callback's score on ``cuda:0``); loading them where
+    they were would put every rank's copy on rank 0's device. On the CPU they cost no device memory, and
+    Lightning and the callbacks move what they use."""
+    return torch.load(Path(checkpoint_dir) / LIGHTNING_META, map_location="cpu", weights_only=True)
+
+
 def _weights_only_load(value: io.BytesIO, what: str) -> Any:
     try:
-        return torch.load(value, weights_only=True)
+        # a non-tensor entry may still hold tensors, saved on the device they were on (see load_lightning_meta)
+        return torch.load(value, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise pickle.UnpicklingError(
             f"checkpoint entry {what!r} holds an object that torch.load(weights_only=True) refuses: {err}"

@@ -198,15 +198,13 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from lit_parallel.commands.launch import write_result
+    from lit_parallel.devices import init_process_group_on_device
 
     t0 = time.perf_counter()
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=60))
+    # nccl: the rank's own GPU (LOCAL_RANK modulo the visible GPUs) is made current before NCCL starts
+    device = init_process_group_on_device(args.backend, timeout=timedelta(seconds=60))
     init_s = time.perf_counter() - t0
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else None
-    if device is not None:
-        torch.cuda.set_device(device)
-    device = device or torch.device("cpu")
     t = torch.tensor([float(rank)], device=device)
     dist.all_reduce(t)
     rows = []

@@ -84,14 +84,8 @@ def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> None:
 
 def init_ranks(accelerator: str = "cpu") -> torch.device:
     """In a rank :func:`run_ranks` started: join the process group torchrun set up (NCCL for ``"gpu"``, gloo
-    otherwise; one already joined is kept) and return this rank's device (``gpu``: made current)."""
-    import torch
-    import torch.distributed as dist
+    otherwise; one already joined is kept) and return this rank's device (``gpu``: made current before NCCL
+    starts, :func:`lit_parallel.devices.init_process_group_on_device`)."""
+    from lit_parallel.devices import init_process_group_on_device
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if accelerator == "gpu" else "gloo")
-    if accelerator != "gpu":
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    return device
+    return init_process_group_on_device("nccl" if accelerator == "gpu" else "gloo")

@@ -6,6 +6,12 @@ strategy divides what it shards by the ranks it shards over (:mod:`lit_parallel.
 A model is measured by :mod:`lit_parallel.planner.model_summary` (parameters, blocks) and
 :mod:`lit_parallel.planner.activations` (one forward traced on the meta device).
 
+"Fits" leaves headroom (:func:`usable_memory`): a layout predicted at 99 % of a device's memory runs out of
+it on CUDA, where the caching allocator fragments, temporaries come and go between the moments the
+prediction counts, and the CUDA context and NCCL's buffers take memory outside the allocator. A row fits
+when its predicted bytes are at most ``(1 - memory_headroom) x device memory``, less
+:data:`CUDA_RESERVED_BYTES` per process when the device is a GPU.
+
 GB means 10^9 bytes. :data:`RULES` is the decision table; :func:`advise` evaluates it, the
 ``auto_parallel`` strategy calls :func:`advise` at setup, and the documentation prints
 :func:`rules_markdown`. Nothing here imports Lightning.
@@ -52,6 +58,8 @@ __all__ = [
     "StateRow",
     "advise",
     "build_on_meta",
+    "CUDA_RESERVED_BYTES",
+    "DEFAULT_MEMORY_HEADROOM",
     "device_memory_bytes",
     "estimate_activations",
     "load_model_class",
@@ -61,12 +69,28 @@ __all__ = [
     "precision_bytes",
     "rules_markdown",
     "summarize_model",
+    "usable_memory",
 ]
 
 
 # sanity bounds on what a user types: beyond them the figure is a typo, not a cluster
 MAX_PARAMS = 10**15
 MAX_MEMORY_GB = 1e5
+
+# The share of a device's memory "fits" keeps free: allocator fragmentation and temporaries the prediction
+# does not count (docs/choosing-a-strategy.md, "Headroom")
+DEFAULT_MEMORY_HEADROOM = 0.10
+# Memory a process takes on a GPU outside PyTorch's caching allocator: the CUDA context (kernels, cuBLAS and
+# cuDNN handles and workspaces) and NCCL's communication buffers; an estimate (docs/choosing-a-strategy.md)
+CUDA_RESERVED_BYTES = 1.0e9
+
+
+def usable_memory(capacity_bytes: float, *, memory_headroom: float, device_type: str) -> float:
+    """The bytes of a device of ``capacity_bytes`` that "fits" may fill: ``(1 - memory_headroom) x capacity``,
+    less :data:`CUDA_RESERVED_BYTES` on a CUDA device."""
+    reserved = CUDA_RESERVED_BYTES if device_type == "cuda" else 0.0
+    return capacity_bytes * (1.0 - memory_headroom) - reserved
+
 
 # (strategy, when, why) of the advisor's rule; the advisor builds its Rule from it
 PIPELINE_RULE_TEXT = (
@@ -97,17 +121,17 @@ def pipeline_check(a: Advice) -> tuple[bool | None, str]:
         return False, (
             f"sharded inside one node it fits ({format_bytes(row.total_bytes, decimal=True)}): no stages needed"
         )
-    stages = pipeline_plan_for(row.state_bytes, activations, a.memory_bytes, a.nodes)
+    stages = pipeline_plan_for(row.state_bytes, activations, a.usable_bytes, a.nodes)
     if stages is None:
         return False, (
             f"even {a.nodes} stages (one per node) need {format_bytes(row.state_bytes / a.nodes + activations, decimal=True)}"
-            f" per rank > {format_bytes(a.memory_bytes, decimal=True)}"
+            f" per rank > {a.usable_phrase()}"
         )
     m = 4 * stages
     need = row.state_bytes / stages + activations
     return True, (
         f"sharded inside one node: {format_bytes(row.total_bytes, decimal=True)} per rank >"
-        f" {format_bytes(a.memory_bytes, decimal=True)}; cut into pipeline_parallel_size={stages} stages of"
+        f" {a.usable_phrase()}; cut into pipeline_parallel_size={stages} stages of"
         f" {a.nodes // stages} node(s): {format_bytes(need, decimal=True)} per rank; with microbatches={m} the"
         f" bubble costs (P-1)/(M+P-1) = {bubble_fraction(stages, m):.0%} of each step"
     )
@@ -145,11 +169,11 @@ def _rule_block_too_large(a: Advice) -> tuple[bool | None, str]:
         if a.activations is not None
         else "; activations unknown"
     )
-    verdict = "more than" if need > a.memory_bytes else "fits"
-    return need > a.memory_bytes, (
+    verdict = "more than" if need > a.usable_bytes else "fits"
+    return need > a.usable_bytes, (
         f"the largest block needs {format_bytes(need, decimal=True)} ({a.largest_block_params:,} params x ({a.bytes.compute} +"
         f" {a.bytes.compute}) bytes for parameters and gradients in compute precision{act}): {verdict} one"
-        f" device ({format_bytes(a.memory_bytes, decimal=True)})"
+        f" device ({a.usable_phrase()})"
     )
 
 
@@ -231,6 +255,8 @@ class Advice:
         devices: devices (ranks) per node.
         nodes: nodes.
         memory_bytes: memory of one device.
+        memory_headroom: the share of ``memory_bytes`` a strategy must leave free to fit.
+        device_type: ``"cuda"``: :data:`CUDA_RESERVED_BYTES` per process are not available either.
         precision: the Lightning precision flag the accounting uses.
         rows: per-rank memory of every strategy, in table order.
         recommendation: the registry name of the strategy the rules choose.
@@ -254,6 +280,35 @@ class Advice:
     rule: Rule | None = None
     evaluations: list[tuple[Rule, bool | None, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    device_type: str = "cuda"
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a strategy's bytes per rank may reach and still fit (:func:`usable_memory`)."""
+        return usable_memory(
+            self.memory_bytes, memory_headroom=self.memory_headroom, device_type=self.device_type
+        )
+
+    def usable_phrase(self) -> str:
+        """``"71.00 GB usable of 80.00 GB"``: the bound every rule compares with."""
+        usable, total = (
+            format_bytes(self.usable_bytes, decimal=True),
+            format_bytes(self.memory_bytes, decimal=True),
+        )
+        return f"{usable} usable of {total}"
+
+    def headroom_phrase(self) -> str:
+        """How the usable bytes follow from the device's, in words."""
+        reserved = (
+            f" and {format_bytes(CUDA_RESERVED_BYTES, decimal=True)} for the CUDA context and NCCL"
+            if self.device_type == "cuda"
+            else ""
+        )
+        return (
+            f"{format_bytes(self.usable_bytes, decimal=True)} usable: {format_bytes(self.memory_bytes, decimal=True)}"
+            f" less {self.memory_headroom:.0%} headroom{reserved}"
+        )
 
     @property
     def world_size(self) -> int:
@@ -292,14 +347,15 @@ class Advice:
 
     def memory_phrase(self, row: MemoryRow) -> str:
         rel = "<=" if row.fits else ">"
-        return f" {rel} {format_bytes(self.memory_bytes, decimal=True)} of device memory"
+        return f" {rel} {self.usable_phrase()} of device memory"
 
     def describe(self) -> str:
         """The recommendation and the rules that led to it, in plain text (for logs)."""
         lines = [
             f"auto_parallel: {self.params:,} parameters, {self.nodes} node(s) x {self.devices} device(s),"
-            f" {format_bytes(self.memory_bytes, decimal=True)} per device ({self.memory_source}), precision {self.precision}"
-            f" ({self.bytes.params} + {self.bytes.grads} + {self.bytes.optimizer} bytes per parameter)"
+            f" {format_bytes(self.memory_bytes, decimal=True)} per device ({self.memory_source}; {self.headroom_phrase()}),"
+            f" precision {self.precision} ({self.bytes.params} + {self.bytes.grads} + {self.bytes.optimizer} bytes per"
+            " parameter)"
         ]
         for rule, holds, evidence in self.evaluations:
             mark = self.verdict(rule, holds)
@@ -339,6 +395,9 @@ class Advice:
             "devices": self.devices,
             "nodes": self.nodes,
             "memory_gb": self.memory_bytes / GB,
+            "memory_headroom": self.memory_headroom,
+            "device_type": self.device_type,
+            "usable_gb": self.usable_bytes / GB,
             "precision": self.precision,
             "bytes_per_param": {
                 "params": self.bytes.params,
@@ -383,6 +442,8 @@ def advise(
     model_kwargs: dict[str, Any] | None = None,
     example_inputs: Any = None,
     block_types: Any = "auto",
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+    device_type: str | None = None,
 ) -> Advice:
     """Per-rank memory of every strategy and the strategy :data:`RULES` choose.
 
@@ -405,6 +466,12 @@ def advise(
         example_inputs: the input to trace (default: ``model.example_input_array``, or tokens when the
             model starts with an ``nn.Embedding``).
         block_types: how to find the transformer blocks (as in ``fsdp_blocks``; default ``"auto"``).
+        memory_headroom: the share of device memory a strategy must leave free to fit (default 0.10):
+            the caching allocator's fragmentation and temporaries the accounting does not count.
+        device_type: the type of the device the memory is of (``"cuda"``, ``"cpu"``, ...); on ``"cuda"``
+            :data:`CUDA_RESERVED_BYTES` per process (CUDA context, NCCL buffers) are not usable either.
+            Default: ``"cpu"`` when the memory is this machine's RAM (no ``memory_gb``, no CUDA),
+            else ``"cuda"``.
     """
     _check_arguments(params, model, devices, nodes)
     precision = canonical_precision(precision)
@@ -422,7 +489,18 @@ def advise(
         )
         params = summary.params
         block_params = summary.largest_block_params if block_params is None else block_params
-    advice = _measure(params, block_params, summary, devices, nodes, memory_gb, precision, bytes_)
+    advice = _measure(
+        params,
+        block_params,
+        summary,
+        devices,
+        nodes,
+        memory_gb,
+        precision,
+        bytes_,
+        memory_headroom,
+        device_type,
+    )
     _apply_rules(advice)
     return advice
 
@@ -444,10 +522,15 @@ def _measure(
     memory_gb: float | None,
     precision: str,
     bytes_: PrecisionBytes,
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+    device_type: str | None = None,
 ) -> Advice:
     """The advice before the rules: the counts checked, the device memory, and the memory table."""
     params, block_params = _checked_counts(params, block_params)
     memory_bytes, source = _device_memory(memory_gb, devices)
+    if device_type is None:
+        device_type = "cpu" if source.startswith("CPU RAM") else "cuda"
+    usable = _checked_usable(memory_bytes, memory_headroom, device_type)
     advice = Advice(
         params=params,
         trainable_params=summary.trainable_params if summary is not None else params,
@@ -459,18 +542,43 @@ def _measure(
         bytes=bytes_,
         model=summary,
         largest_block_params=block_params,
+        memory_headroom=memory_headroom,
+        device_type=device_type,
     )
     advice.rows = memory_table(
         params,
         devices=devices,
         nodes=nodes,
         precision=precision,
-        memory_bytes=memory_bytes,
+        memory_bytes=usable,
         trainable_params=advice.trainable_params,
         tp_split_params=summary.block_params if summary is not None and summary.num_blocks else None,
         activations=advice.activations,
     )
     return advice
+
+
+def _checked_usable(memory_bytes: float, memory_headroom: Any, device_type: Any) -> float:
+    if not isinstance(device_type, str):
+        raise ValueError(
+            f"device_type={device_type!r} must be a device type, 'cuda' or 'cpu' (the device the memory is of)"
+        )
+    if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)):
+        raise ValueError(f"memory_headroom={memory_headroom!r} must be a fraction of device memory, e.g. 0.1")
+    if not 0 <= memory_headroom < 1:
+        raise ValueError(
+            f"memory_headroom={memory_headroom!r} must be at least 0 and below 1 (a fraction of device memory"
+            f" kept free; default {DEFAULT_MEMORY_HEADROOM})"
+        )
+    usable = usable_memory(memory_bytes, memory_headroom=memory_headroom, device_type=device_type)
+    if usable <= 0:
+        raise ValueError(
+            f"{format_bytes(memory_bytes, decimal=True)} per device leaves nothing to train in after"
+            f" {memory_headroom:.0%} headroom and the {format_bytes(CUDA_RESERVED_BYTES, decimal=True)} a CUDA"
+            " process reserves (CUDA context, NCCL buffers): give the device's real memory (memory_gb), or"
+            " device_type='cpu' when it is not a GPU"
+        )
+    return usable
 
 
 def _checked_counts(params: Any, block_params: Any) -> tuple[int, int | None]:
@@ -501,7 +609,7 @@ def _apply_rules(advice: Advice) -> None:
     if chosen is not None and not chosen.fits:
         advice.warnings.append(
             f"{advice.recommendation} needs {format_bytes(chosen.total_bytes, decimal=True)} per rank, more"
-            f" than the {format_bytes(advice.memory_bytes, decimal=True)} of one device: add devices or nodes,"
+            f" than the {advice.usable_phrase()} of one device: add devices or nodes,"
             " turn on activation_checkpointing, lower the micro-batch, or use cpu_offload=True (fsdp_blocks)"
         )
     if advice.recommendation == "tp_dp" and advice.devices == 1:

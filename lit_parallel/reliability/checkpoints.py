@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lit_parallel import _compat, _logging
 from lit_parallel.checkpoint.convert import full_checkpoint
-from lit_parallel.checkpoint.load import LIGHTNING_META, dcp_load, verify_checkpoint
+from lit_parallel.checkpoint.load import LIGHTNING_META, dcp_load, load_lightning_meta, verify_checkpoint
 from lit_parallel.checkpoint.write import (
     atomic_save,
     check_replaceable,
@@ -216,7 +216,7 @@ def load_sharded_checkpoint(
         kind = verify_checkpoint(path)
     tensor_parallel_size = _tensor_parallel_size(strategy)
     if kind == "sharded":
-        meta = torch.load(Path(path) / LIGHTNING_META, weights_only=True)
+        meta = load_lightning_meta(path)  # on the CPU, not on the device rank 0 saved from
         check_tensor_parallel_layout(meta, path, tensor_parallel_size)  # before any state is loaded
         _load_sharded(strategy, Path(path))
         return meta

@@ -39,6 +39,7 @@ from typing_extensions import override
 from lit_parallel._compat import hand_over_lightning_state, set_trainer_strategy
 from lit_parallel._logging import info
 from lit_parallel.planner.rules import (
+    DEFAULT_MEMORY_HEADROOM,
     GB,
     PRECISIONS,
     RULES,
@@ -92,7 +93,11 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
 
     Args:
         memory_gb: memory of one device in GB (1e9 bytes). Default: the CUDA device's total memory; on CPU
-            the machine's RAM divided by the processes per node. Pass less than the total to keep headroom.
+            the machine's RAM divided by the processes per node.
+        memory_headroom: the share of ``memory_gb`` a strategy must leave free to fit (default 0.10: the
+            caching allocator's fragmentation, temporaries the accounting does not count); on a GPU a further
+            1 GB per process is kept for the CUDA context and NCCL's buffers
+            (:func:`~lit_parallel.planner.rules.usable_memory`).
         strategy_kwargs: arguments for the chosen strategy, by registry name, e.g.
             ``{"fsdp_blocks": {"activation_checkpointing": True}, "ddp_tuned": {"comm_hook": "fp16"}}``.
             Checked when this strategy is built, by building each named strategy once (no process group).
@@ -112,6 +117,7 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
         self,
         memory_gb: float | None = None,
         strategy_kwargs: dict[str, dict[str, Any]] | None = None,
+        memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         debug_level: DebugLevel | None = None,
@@ -124,6 +130,15 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
             isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0
         ):
             raise ValueError(f"memory_gb={memory_gb!r} must be a positive number of GB (1e9 bytes) or None")
+        if (
+            isinstance(memory_headroom, bool)
+            or not isinstance(memory_headroom, (int, float))
+            or not 0 <= memory_headroom < 1
+        ):
+            raise ValueError(
+                f"memory_headroom={memory_headroom!r} must be a fraction of device memory kept free, at least 0"
+                f" and below 1 (default {DEFAULT_MEMORY_HEADROOM})"
+            )
         strategy_kwargs = dict(strategy_kwargs or {})
         for name, kwargs in strategy_kwargs.items():
             if name not in CANDIDATES:
@@ -144,6 +159,7 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
         super().__init__(**common.process_group_kwargs())
         self._init_common(common)
         self._memory_gb = memory_gb
+        self._memory_headroom = float(memory_headroom)
         self._strategy_kwargs = strategy_kwargs
         self.advice: Advice | None = None
         self.chosen: ParallelStrategy | None = None
@@ -262,6 +278,9 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
             memory_gb=memory_gb,
             precision=precision,
             block_types=block_types,
+            memory_headroom=self._memory_headroom,
+            # a GPU's memory also holds the CUDA context and NCCL's buffers, outside the allocator
+            device_type=self.root_device.type,
         )
         advice.memory_source = source
         info(advice.describe())
@@ -338,7 +357,7 @@ def pipeline_choice(advice: Advice | None, model: Any) -> tuple[str, dict[str, A
         return "fsdp_blocks", {}
     row = advice.row("HSDP")
     stages = pipeline_plan_for(
-        row.state_bytes, row.activation_bytes or 0.0, advice.memory_bytes, advice.nodes
+        row.state_bytes, row.activation_bytes or 0.0, advice.usable_bytes, advice.nodes
     )
     # as the evidence counts it: each stage is a group of nodes, sharded inside a node, replicated across
     # the stage's nodes (no parameter crosses a node; activations go stage to stage)

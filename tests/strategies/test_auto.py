@@ -298,6 +298,7 @@ def test_the_decision_follows_the_trainer_precision(precision, chosen):
     ("kwargs", "message"),
     [
         ({"memory_gb": 0}, "memory_gb=0 must be a positive number"),
+        ({"memory_headroom": 1}, "memory_headroom=1 must be a fraction of device memory kept free"),
         ({"strategy_kwargs": {"ddp": {}}}, "strategy_kwargs has key 'ddp'"),
         ({"strategy_kwargs": {"fsdp_blocks": {"reshard": True}}}, "does not fit TransformerFSDPStrategy"),
         ({"strategy_kwargs": {"tp_dp": {"timeout": 5}}}, "pass it to AutoStrategy(timeout=...)"),
@@ -307,3 +308,15 @@ def test_bad_arguments_are_refused_when_the_strategy_is_built(kwargs, message):
     with pytest.raises(ValueError) as info:
         lp.AutoStrategy(**kwargs)
     assert message in str(info.value)
+
+
+def test_a_layout_that_fills_the_device_is_not_chosen_the_headroom_is_kept():
+    # DDP's whole need (model state + activations) at 95 % of the device: it fitted when "fits" meant the
+    # whole device; with the default 10 % headroom (CPU devices: no CUDA reserve) the state is sharded
+    need = _connected(lp.AutoStrategy(memory_gb=1e4)).strategy.advice.row("DDP").total_bytes
+    memory_gb = need / 0.95 / GB
+    full = _connected(lp.AutoStrategy(memory_gb=memory_gb, memory_headroom=0.0)).strategy.advice
+    assert full.recommendation == "ddp_tuned"
+    kept = _connected(lp.AutoStrategy(memory_gb=memory_gb)).strategy.advice
+    assert kept.device_type == "cpu" and kept.usable_bytes == pytest.approx(memory_gb * GB * 0.9)
+    assert kept.recommendation == "fsdp_blocks" and kept.row("FSDP/ZeRO-3").fits

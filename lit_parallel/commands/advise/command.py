@@ -18,7 +18,13 @@ from rich.markup import escape
 
 from lit_parallel.formatting import format_bytes
 from lit_parallel.planner.precision import PRECISION_ALIASES, canonical_precision
-from lit_parallel.planner.rules import PRECISIONS, Advice, advise
+from lit_parallel.planner.rules import (
+    CUDA_RESERVED_BYTES,
+    DEFAULT_MEMORY_HEADROOM,
+    PRECISIONS,
+    Advice,
+    advise,
+)
 
 EPILOG = """examples:
   lit-parallel advise --params 7B --devices 8 --memory-gb 80
@@ -100,6 +106,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="memory of one device in GB (1e9 bytes); default: the first GPU's, or RAM / devices",
+    )
+    p.add_argument(
+        "--memory-headroom",
+        type=float,
+        default=DEFAULT_MEMORY_HEADROOM,
+        help=f"share of device memory a strategy must leave free to fit (default {DEFAULT_MEMORY_HEADROOM});"
+        f" on a GPU a further {CUDA_RESERVED_BYTES / 1e9:g} GB per process is kept for the CUDA context and NCCL",
+    )
+    p.add_argument(
+        "--device-type",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="the devices the advice is for (default: cuda; cpu with --verify): the peak is simulated as they"
+        " allocate, the step time is timed on this machine's device of that type (none without one), and on"
+        " cuda 1 GB per process is kept for the CUDA context and NCCL",
     )
     p.add_argument(
         "--precision",
@@ -203,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         devices=devices,
         nodes=args.nodes,
         memory_gb=args.memory_gb,
+        memory_headroom=args.memory_headroom,
+        device_type=args.device_type,
         precision=args.precision,
         block_params=parse_count(args.block_params) if args.block_params else None,
         batch_size=args.batch_size,
@@ -226,13 +249,18 @@ def _check_prediction_arguments(args: argparse.Namespace) -> None:
         )
     if args.verify and not args.model:
         raise ValueError("--verify needs --model IMPORT.PATH:Class: it runs the model on this machine")
+    if args.verify and args.device_type == "cuda":
+        raise ValueError(
+            "--verify runs the model on this machine's CPU, so its prediction is for CPU devices: drop"
+            " --device-type cuda (or drop --verify for a CUDA prediction)"
+        )
     if args.verify and args.precision != "32-true":
         raise ValueError(
             f"--verify runs on this machine's CPU in 32-true, not {args.precision}: add --precision 32-true"
         )
     if args.verify_ranks < 1:
         raise ValueError(f"--verify-ranks={args.verify_ranks} must be at least 1")
-    args.cluster_costs = None
+    args.cluster_costs, args.cluster_notes = None, []
     if getattr(args, "cluster", None):
         from lit_parallel.planner.time.calibration import load_cluster
 
@@ -245,10 +273,15 @@ def _check_prediction_arguments(args: argparse.Namespace) -> None:
             from lit_parallel.planner.time.calibration import for_ranks
 
             args.cluster_costs = for_ranks(cluster["costs"], measured, world)
-            args.cluster_note = (
+            args.cluster_notes.append(
                 f"--cluster was measured on {measured} ranks, this prediction is for {world}: its per-byte costs"
                 f" are scaled by the ring's (n - 1) / n, its per-call costs kept as measured (measure on {world}"
                 " ranks with `advise --verify --verify-ranks` for exact figures)"
+            )
+        if (args.device_type or "cuda") == "cuda":
+            args.cluster_notes.append(
+                "--cluster's costs were measured by `advise --verify`, which runs CPU processes on gloo: the"
+                " communication of this CUDA prediction is priced as gloo's, not NCCL's"
             )
 
 
@@ -271,7 +304,7 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
             nodes=args.nodes,
             batch_size=args.batch_size,
             seq_len=args.seq_len,
-            device_type="cpu" if args.verify else "cuda",
+            device_type=args.device_type or ("cpu" if args.verify else "cuda"),
             step_time=args.step_time,
             busbw_gbps=args.busbw_gbps,
             latency_s=args.latency_us * 1e-6,
@@ -281,8 +314,7 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
     except NoExampleInput as err:
         console.print(f"[yellow]note[/yellow]: no peak prediction: {escape(str(err))}")
         return {"prediction": None}
-    if getattr(args, "cluster_note", None):
-        pred.notes.append(args.cluster_note)
+    pred.notes.extend(getattr(args, "cluster_notes", []))
     print_prediction(pred, console)
     out: dict[str, Any] = {"prediction": pred.as_dict()}
     if args.verify:
@@ -310,7 +342,7 @@ def _advice_table(a: Advice) -> Any:
     if act is not None:
         table.add_column("activations", justify="right")
         table.add_column("total", justify="right")
-    table.add_column(f"fits {format_bytes(a.memory_bytes, decimal=True)}", justify="center")
+    table.add_column(f"fits {format_bytes(a.usable_bytes, decimal=True)}", justify="center")
     for r in a.rows:
         cells = [
             r.name,
@@ -337,7 +369,8 @@ def print_advice(a: Advice) -> None:
     b = a.bytes
     console.print(
         f"[bold]lit-parallel advise[/bold]: {what}{a.params:,} parameters on {a.nodes} node(s) x {a.devices}"
-        f" device(s) = {a.world_size} ranks; {format_bytes(a.memory_bytes, decimal=True)} per device ({a.memory_source});"
+        f" device(s) = {a.world_size} ranks; {format_bytes(a.memory_bytes, decimal=True)} per device ({a.memory_source};"
+        f" {a.headroom_phrase()});"
         f" precision {a.precision}: {b.params} + {b.grads} + {b.optimizer} = {b.total} bytes per parameter"
     )
     if a.model is not None and a.model.block_description:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from rich.markup import escape
 from torch import nn
 
@@ -149,6 +150,7 @@ class Prediction:
                 "tensors": t.tensors,
                 "elements": t.elements,
                 "fsdp_groups": self.groups,
+                "device": t.device,
             }
         return out
 
@@ -192,22 +194,37 @@ class TimingUnit:
     block: str | None
 
 
-def timing_unit(pred: Prediction, module: nn.Module, largest: str | None) -> TimingUnit | None:
+def timing_unit(
+    pred: Prediction, module: nn.Module, largest: str | None, device: torch.device | None = None
+) -> TimingUnit | None:
     """What `advise` times of ``module``: the whole model when it takes at most
-    :data:`STEP_TIME_BLOCK_LIMIT` of this machine's RAM, else its largest block (``largest``); ``None`` when
-    even that is too large to time here (a note in ``pred`` says so)."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if pred.report.peaks["one_process"].total <= STEP_TIME_BLOCK_LIMIT * ram:
+    :data:`STEP_TIME_BLOCK_LIMIT` of the memory of ``device`` (this machine's RAM for the CPU, the GPU's
+    for CUDA), else its largest block (``largest``); ``None`` when even that is too large to time here (a
+    note in ``pred`` says so)."""
+    if device is not None and device.type == "cuda":
+        capacity, what = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    else:
+        capacity, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    if pred.report.peaks["one_process"].total <= STEP_TIME_BLOCK_LIMIT * capacity:
         largest = None
     unit = module.get_submodule(largest) if largest else module
     unit_bytes = sum(p.numel() for p in unit.parameters()) * 16
-    if unit_bytes > STEP_TIME_BLOCK_LIMIT * ram:
+    if unit_bytes > STEP_TIME_BLOCK_LIMIT * capacity:
         pred.notes.append(
             f"no step time: timing {largest or 'the model'} needs ~{format_bytes(unit_bytes, decimal=True)}, "
-            f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of this machine's RAM"
+            f"more than {STEP_TIME_BLOCK_LIMIT:.0%} of {what}"
         )
         return None
     return TimingUnit(largest)
+
+
+def step_time_device(device_type: str) -> torch.device | None:
+    """Where `advise` times the step of a prediction for ``device_type`` devices: this machine's device of
+    that type (CUDA: the current device), or ``None`` when it has none. A CPU timing is no prediction for
+    a GPU: the two differ by orders of magnitude, and not by one factor (per-op overheads, FLOP rates)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return torch.device("cpu") if device_type == "cpu" else None
 
 
 def predict(
@@ -269,7 +286,15 @@ def predict(
         )
     if not step_time:
         return pred
-    unit = timing_unit(pred, module, largest)
+    timing_device = step_time_device(device_type)
+    if timing_device is None:
+        pred.notes.append(
+            f"no step time: the prediction is for {device_type} devices and this machine has none to time the"
+            f" model on (timing it on the CPU would predict a CPU step). Run `advise` where a {device_type}"
+            " device is visible, or predict for this machine's CPU with --device-type cpu"
+        )
+        return pred
+    unit = timing_unit(pred, module, largest, timing_device)
     if unit is None:
         return pred
     low = report.pipeline.layout.micro_batch if report.pipeline is not None else None  # pp_dp's slots run it
@@ -281,6 +306,7 @@ def predict(
         seq_len=seq_len,
         example_inputs=given,
         low_batch=low,
+        device=timing_device,
     )
     from lit_parallel.commands.advise.measure import lightning_overhead
 
@@ -374,7 +400,7 @@ def print_prediction(pred: Prediction, console: Any) -> None:
     if pred.timing is not None:
         t = pred.timing
         console.print(
-            f"step time: {t.block_description} timed here: {t.block_s * 1e3:.2f} ms forward + backward"
+            f"step time: {t.block_description} timed here on {t.device}: {t.block_s * 1e3:.2f} ms forward + backward"
             f" -> {t.op_s * 1e6:.1f} us per op, {t.flop_s * 1e12:.1f} ps per FLOP; the step has {t.ops:,}"
             f" ops and {t.flops:.3g} FLOPs = {t.compute_s * 1e3:.2f} ms; AdamW {t.optimizer_s() * 1e3:.2f} ms;"
             f" Lightning's per-step overhead {pred.overhead_s * 1e3:.2f} ms"

@@ -68,7 +68,8 @@ class MemoryRow(StateRow):
             selects it where one is needed (ZeRO-2); ``None`` for ZeRO-1, which no strategy here implements.
         sharding: what is divided and over how many ranks, in words.
         activation_bytes: per-rank activations for the given micro-batch; ``None`` without a model.
-        fits: model state (+ activations when known) <= the device memory.
+        fits: model state (+ activations when known) <= the usable device memory (the advisor's headroom
+            taken off: :func:`lit_parallel.planner.rules.usable_memory`).
     """
 
     activation_bytes: float | None
@@ -161,7 +162,8 @@ def memory_table(
     tp_split_params: int | None = None,
     activations: ActivationEstimate | None = None,
 ) -> list[MemoryRow]:
-    """:func:`memory_rows` with each row's activations (when estimated) and whether it fits ``memory_bytes``."""
+    """:func:`memory_rows` with each row's activations (when estimated) and whether it fits ``memory_bytes``
+    (the usable bytes of one device: the advisor passes them with its headroom taken off)."""
     rows = []
     for r in memory_rows(
         params,

@@ -1,5 +1,10 @@
 """Step time of one training step, predicted from one block measured on this machine.
 
+Everything is timed on the device the prediction is for (``device``; the CPU by default): a step time
+measured on one kind of device says nothing about another, so `advise` gives no step time for a CUDA
+target on a machine without CUDA rather than a CPU figure under a GPU's name. :attr:`StepTime.device` says
+where the rates were measured.
+
 * compute: the largest transformer block's forward + backward is timed for real (lower quartile of repeats; a
   model built on the meta device gets one block materialised, nothing more) at the per-rank micro-batch
   and at a smaller batch (``pp_dp``'s micro-batch, or half). The two timings give a cost per op and a
@@ -51,6 +56,7 @@ class StepTime:
     elements: int
     block_description: str
     block_name: str | None = None  # the unit timed: a block's qualified name; None: the whole model
+    device: str = "cpu"  # where the unit and AdamW were timed: the rates hold for that device only
 
     @property
     def compute_s(self) -> float:
@@ -119,24 +125,26 @@ def _capture_block_call(
     return tuple(fresh(x) for x in a), {n: fresh(v) for n, v in k.items()}, total
 
 
-def _real(t: Any, dtype: torch.dtype) -> Any:
-    """A real CPU tensor shaped like meta ``t``: floats random (in ``dtype``), booleans true, integers zero."""
+def _real(t: Any, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
+    """A real tensor on ``device`` shaped like meta ``t``: floats random (in ``dtype``), booleans true,
+    integers zero."""
     if isinstance(t, (tuple, list)):
-        return type(t)(_real(x, dtype) for x in t)
+        return type(t)(_real(x, dtype, device) for x in t)
     if not isinstance(t, torch.Tensor):
         return t
     if t.is_floating_point():
-        return torch.randn(t.shape, dtype=dtype).requires_grad_(t.requires_grad)
+        return torch.randn(t.shape, dtype=dtype, device=device).requires_grad_(t.requires_grad)
     if t.dtype == torch.bool:
-        return torch.ones(t.shape, dtype=torch.bool)
-    return torch.zeros(t.shape, dtype=t.dtype)
+        return torch.ones(t.shape, dtype=torch.bool, device=device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
-def _materialise(block: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A real copy of a meta block with small random weights (the values do not matter for timing)."""
+def _materialise(block: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    """A real copy of a meta block on ``device`` with small random weights (the values do not matter for
+    timing)."""
     import copy
 
-    real = copy.deepcopy(block).to_empty(device="cpu").to(dtype)
+    real = copy.deepcopy(block).to_empty(device=device).to(dtype)
     with torch.no_grad():
         for t in (*real.parameters(), *real.buffers()):
             if t.is_floating_point():
@@ -170,21 +178,26 @@ def _block_inputs(module: nn.Module, block_name: str | None, dtype: torch.dtype,
 
 
 def _real_call(
-    args: tuple, kwargs: dict, whole: bool, vocab: int | None, dtype: torch.dtype
+    args: tuple,
+    kwargs: dict,
+    whole: bool,
+    vocab: int | None,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> tuple[tuple, dict]:
-    """Real CPU arguments shaped like the meta ``args`` / ``kwargs`` of the unit timed. The model's own
-    inputs (``whole``) get token ids drawn below the vocabulary, as a real batch has them (all zeros is a
+    """Real arguments on ``device`` shaped like the meta ``args`` / ``kwargs`` of the unit timed. The model's
+    own inputs (``whole``) get token ids drawn below the vocabulary, as a real batch has them (all zeros is a
     slower step: every gradient of the embedding lands on one row, every target is class 0)."""
-    real_args = tuple(_real(a, dtype) for a in args)
+    real_args = tuple(_real(a, dtype, device) for a in args)
     if whole:
         from lit_parallel.parallel.example_inputs import real_inputs
 
-        ids = real_inputs(args, vocab)
+        ids = tuple(i.to(device) if isinstance(i, torch.Tensor) else i for i in real_inputs(args, vocab))
         is_ids = [
             isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dtype != torch.bool for a in args
         ]
         real_args = tuple(i if yes else r for i, r, yes in zip(ids, real_args, is_ids, strict=True))
-    return real_args, {k: _real(v, dtype) for k, v in kwargs.items()}
+    return real_args, {k: _real(v, dtype, device) for k, v in kwargs.items()}
 
 
 def _fwd_bwd(m: nn.Module, a: tuple, k: dict, whole: bool) -> None:
@@ -197,7 +210,8 @@ class PartsTimer:
     (the largest block, ``block_name``; the whole model without one) at the micro-batch and at a second
     batch (``low_batch``: the pipeline's micro-batch, which the step is predicted at; half the micro-batch
     without it; twice it for a micro-batch of one), AdamW on the unit's parameters and on 64 tiny tensors.
-    The unit is materialised once (random weights) and its inputs made once.
+    The unit is materialised once (random weights) and its inputs made once, on ``device`` (default the
+    CPU; on CUDA every part is timed between two synchronisations).
 
     :meth:`sample` times every part once and keeps the seconds; :meth:`timing` turns the samples kept into
     a :class:`StepTime` (the lower quartile of each part). ``advise --verify`` samples between the steps it
@@ -213,8 +227,11 @@ class PartsTimer:
         seq_len: int | None = None,
         example_inputs: Any = None,
         low_batch: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         from lit_parallel.parallel.example_inputs import vocabulary
+
+        self.device = torch.device(device)
 
         kw = {"seq_len": seq_len, "given": example_inputs}
         _, unit, args, kwargs, (self.ops, self.flops), example = _block_inputs(
@@ -236,12 +253,12 @@ class PartsTimer:
         self.counts = [
             (self.ops, self.flops) if self.whole and i == 0 else count(*c) for i, c in enumerate(calls)
         ]
-        self.real = _materialise(unit, dtype)
-        self.inputs = [_real_call(a, k, self.whole, vocab, dtype) for _, a, k in calls]
+        self.real = _materialise(unit, dtype, self.device)
+        self.inputs = [_real_call(a, k, self.whole, vocab, dtype, self.device) for _, a, k in calls]
         params = [p for p in self.real.parameters() if p.requires_grad]
         self.unit_tensors, self.unit_elements = len(params), sum(p.numel() for p in params)
         self.optimizer = torch.optim.AdamW(params, lr=1e-6) if params else None
-        tiny = [torch.zeros(1, requires_grad=True) for _ in range(64)]
+        tiny = [torch.zeros(1, device=self.device, requires_grad=True) for _ in range(64)]
         for t in tiny:
             t.grad = torch.zeros_like(t)
         self.tiny_optimizer = torch.optim.AdamW(tiny, lr=1e-6)
@@ -255,18 +272,24 @@ class PartsTimer:
         tensors (the unit's gradients are dropped after its step, as a training step drops them)."""
         seconds = []
         for args, kwargs in self.inputs:
-            start = time.perf_counter()
+            start = self._now()
             _fwd_bwd(self.real, args, kwargs, self.whole)
-            seconds.append(time.perf_counter() - start)
-        start = time.perf_counter()
+            seconds.append(self._now() - start)
+        start = self._now()
         if self.optimizer is not None:
             self.optimizer.step()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(self._now() - start)
         self.real.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start = self._now()
         self.tiny_optimizer.step()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(self._now() - start)
         return seconds
+
+    def _now(self) -> float:
+        # CUDA kernels run after the Python call returns: wait for them, or the launch is timed, not the work
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def sample(self) -> None:
         """Time every part once and keep the seconds."""
@@ -292,6 +315,7 @@ class PartsTimer:
             elements=self.elements,
             block_description=self.description,
             block_name=self.block_name,
+            device=str(self.device),
         )
 
 
@@ -316,7 +340,7 @@ def predict_step_time(module: nn.Module, *, block_name: str | None, repeats: int
     """Time the largest block (``block_name``; the whole model without blocks) at the micro-batch and at a
     second batch, and AdamW on its parameters, ``repeats`` times (:class:`PartsTimer`); scale to the whole
     model by ops and FLOPs. ``kw``: ``dtype``, ``batch_size``, ``seq_len``, ``example_inputs``,
-    ``low_batch``."""
+    ``low_batch``, ``device`` (where to time: the device the prediction is for)."""
     timer = PartsTimer(module, block_name=block_name, **kw)
     for _ in range(repeats):
         timer.sample()

@@ -229,7 +229,7 @@ def test_a_model_gives_parameters_blocks_and_activations():
     assert (s.num_blocks, s.largest_block_params) == (2, per_block)
     assert s.activations is not None and s.activations.input_description == "tokens (2, 16)"
     assert 0 < s.activations.largest_block_bytes < s.activations.total_bytes
-    a = advise(model="tests.models:Llama", devices=2, memory_gb=1, precision="32-true", batch_size=2)
+    a = advise(model="tests.models:Llama", devices=2, memory_gb=2, precision="32-true", batch_size=2)
     assert a.largest_block_params == per_block and a.row("DDP").activation_bytes == s.activations.total_bytes
 
 
@@ -267,7 +267,7 @@ def test_advise_command_reads_a_model_class(capsys, monkeypatch):
     from lit_parallel.commands.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")
-    assert main(["advise", "--model", "tests.models:Llama", "--devices", "2", "--memory-gb", "1"]) == 0
+    assert main(["advise", "--model", "tests.models:Llama", "--devices", "2", "--memory-gb", "2"]) == 0
     out = capsys.readouterr().out
     assert "blocks: 2 blocks: 2 x LlamaBlock" in out
     assert "activations:" in out and "tokens (1, 16)" in out
@@ -873,7 +873,7 @@ def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, mon
         "--devices",
         "2",
         "--memory-gb",
-        "1",
+        "2",
         "--batch-size",
         "2",
     ]

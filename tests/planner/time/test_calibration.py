@@ -313,13 +313,15 @@ def test_advise_prices_the_step_with_a_measured_cluster_file(tmp_path, monkeypat
         "--devices",
         "2",
         "--memory-gb",
-        "1",
+        "2",
         "--batch-size",
         "4",
         "--input-shape",
         "16",
         "--precision",
         "32-true",
+        "--device-type",  # the costs were measured on CPU processes, and the step is timed on this CPU
+        "cpu",
     ]
     assert main([*args, "--cluster", str(cluster), "--json", str(out)]) == 0
     data = json.loads(out.read_text())["prediction"]
