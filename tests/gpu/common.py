@@ -89,7 +89,9 @@ class GPTModule(L.LightningModule):
         if not meta:
             torch.manual_seed(seed)
             self.model = GPT(cfg)
-        self.losses: list[float] = []
+        self.losses: list[torch.Tensor] = []
+        self.micro_losses: list[torch.Tensor] = []  # under pp_dp, which calls pipeline_loss per micro-batch
+        self.microbatches = 1
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -105,13 +107,19 @@ class GPTModule(L.LightningModule):
         return loss
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, targets)
+        loss = lm_loss(logits, targets)
+        self.micro_losses.append(loss.detach())
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
     def loss_values(self) -> list[float]:
-        return [float(x) for x in self.losses]
+        """One loss per step: under pp_dp the mean of its (equal) micro-batches' losses."""
+        if self.losses:
+            return [float(x) for x in self.losses]
+        m = self.microbatches
+        return [float(sum(self.micro_losses[i : i + m]) / m) for i in range(0, len(self.micro_losses), m)]
 
 
 def trainer(where: Where, **kwargs: Any) -> L.Trainer:

@@ -37,12 +37,15 @@ STEPS = 6
 SYNC_WINDOW = (2, 5)  # batch indices of steps 3 to 6: after warm-up, the probe and the first allocations
 
 
+MICROBATCHES = 2  # pp_dp's, at size 1
+
+
 def make_strategy(name: str, **kwargs: Any) -> Any:
     """``name`` at size 1 (one device); Lightning's own ``ddp`` is the reference."""
     if name == "ddp":
         return "ddp"
     if name == "pp_dp":
-        return lp.PipelineParallelStrategy(pipeline_parallel_size=1, microbatches=2, **kwargs)
+        return lp.PipelineParallelStrategy(pipeline_parallel_size=1, microbatches=MICROBATCHES, **kwargs)
     cls = {
         "ddp_tuned": lp.TunedDDPStrategy,
         "fsdp_blocks": lp.TransformerFSDPStrategy,
@@ -145,6 +148,7 @@ def strategy_run(name: str) -> Callable[[Where], dict]:
     def run(where: Where) -> dict:
         cfg, b = where.config(), where.batch_size()
         module = GPTModule(cfg)
+        module.microbatches = MICROBATCHES if name == "pp_dp" else 1
         weights = model_bytes(module.model)
         block = largest_block_bytes(module.model)
         ours = {} if name == "ddp" else {"preemption_signal": "SIGUSR1"}  # the preemption check is on
@@ -239,17 +243,13 @@ def meta_init(where: Where) -> dict:
     cfg, b = where.config(), where.batch_size()
     reference = GPTModule(cfg, seed=3)
     path = where.tmp / "init_from.pt"
-    torch.save(reference.model.state_dict(), path)
+    torch.save(reference.state_dict(), path)  # the LightningModule's keys ("model.h.0..."), as a user saves
     expected = {k: v.float() for k, v in reference.model.state_dict().items()}
     out = {}
     for name in ("fsdp_blocks", "tp_dp", "pp_dp"):
         module = GPTModule(cfg, meta=True)
-        kw = {"init_from": str(path)}
-        if name == "pp_dp":
-            strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=1, microbatches=2, **kw)
-        else:
-            strategy = make_strategy(name, **kw)
-        t = trainer(where, strategy=strategy, max_steps=1)
+        module.microbatches = MICROBATCHES if name == "pp_dp" else 1
+        t = trainer(where, strategy=make_strategy(name, init_from=str(path)), max_steps=1)
         # lr 0: the one step leaves the weights as loaded
         module.lr = 0.0
         t.fit(module, loader(cfg, b, b))

@@ -52,7 +52,6 @@ def localize_param_groups(loaded: dict[str, Any], local: dict[str, Any]) -> dict
 def load_pipeline_checkpoint(module: Any, optimizers: list, path: Any, strict: bool) -> dict[str, Any]:
     """Load this rank's stages and their optimizer states from a distributed checkpoint of any layout;
     returns Lightning's ``meta.pt`` entries."""
-    import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -60,8 +59,7 @@ def load_pipeline_checkpoint(module: Any, optimizers: list, path: Any, strict: b
         set_optimizer_state_dict,
     )
 
-    from lit_parallel.checkpoint.load import dcp_load
-    from lit_parallel.checkpoint.write import LIGHTNING_META
+    from lit_parallel.checkpoint.load import dcp_load, load_lightning_meta
 
     module_state = {"state_dict": get_model_state_dict(module)}
     dcp_load(module_state, path)
@@ -77,7 +75,7 @@ def load_pipeline_checkpoint(module: Any, optimizers: list, path: Any, strict: b
             optim_state_dict=localize_param_groups(loaded[key], local),
             options=StateDictOptions(cpu_offload=True),
         )
-    return torch.load(path / LIGHTNING_META, weights_only=True)
+    return load_lightning_meta(path)
 
 
 def load_full_checkpoint_file(
