@@ -112,6 +112,7 @@ def test_cpu_numpy_and_python_generators_round_trip_and_a_cuda_state_is_skipped_
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_generator_of_the_current_device_round_trips(tmp_path):
     torch.cuda.init()

@@ -54,6 +54,7 @@ def test_verify_cannot_be_a_cuda_prediction(capsys):
     assert "--verify runs the model on this machine's CPU" in capsys.readouterr().err
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_prediction_is_timed_on_the_gpu():
     pred = predict("tests.models:Llama", {}, device_type="cuda", step_time=True, **KW)
