@@ -7,9 +7,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
