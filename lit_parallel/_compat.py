@@ -507,3 +507,90 @@ __all__ = [  # the handed-out names resolve through __getattr__
     "restore_metric_progress",
     *(name for name in ENTRIES if name.isidentifier()),
 ]
+
+
+# --- reliability on NCCL: abort communicators before exiting, read group timeouts, compile events ------------
+# (one block, kept apart from the entries above: issue 29, items 4 and 7)
+
+ENTRIES.update(
+    {
+        "abort_process_groups": Entry(
+            f"{_C10D}:_abort_process_group",
+            "reliability/groups.exit_process: abort every communicator before os._exit, so that NCCL peers"
+            " fail at once instead of waiting out the collective timeout (fallback: ProcessGroup.abort)",
+            "none (destroy_process_group waits for a healthy group; ProcessGroup.abort is per group)",
+        ),
+        "group_timeout": Entry(
+            "torch.distributed:ProcessGroup",
+            "reliability: the collective timeout a group really has (torchrun's or the user's group), so the"
+            " stall limits are derived from it",
+            "none (the timeout is passed at creation and never exposed)",
+            attributes=("_get_backend",),
+        ),
+        "compile_callbacks": Entry(
+            "torch._dynamo.callback:callback_handler",
+            "reliability/stall: the stall clock pauses while torch.compile compiles (dynamo's frame"
+            " compiles, AOTAutograd's lazy backward compile, CUDA graph recording), also recompiles late in"
+            " training",
+            "none (torch._dynamo.on_compile_start/on_compile_end register the same way but cannot remove)",
+            attributes=(
+                "register_start_callback",
+                "register_end_callback",
+                "remove_start_callback",
+                "remove_end_callback",
+                "start_callbacks",
+                "end_callbacks",
+            ),
+        ),
+    }
+)
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this rank (NCCL: ``ncclCommAbort``; pending collectives end at once,
+    the peers see the communicator fail). Afterwards ``torch.distributed`` is uninitialised."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort()
+        return
+    for group in all_process_groups():  # older torch: each group's own abort
+        group.abort()
+
+
+def group_timeout(group: Any) -> Any:
+    """The collective timeout (``timedelta``) ``group`` was created or set with, or ``None`` if unreadable."""
+    import torch
+
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def watch_compiles(start: Any, end: Any) -> None:
+    """Call ``start(*args)`` / ``end(*args)`` when torch.compile starts / ends compiling (the outermost
+    compile only; on whatever thread compiles). Idempotent: call again after ``torch._dynamo.reset()``,
+    which removes every callback."""
+    handler = check("compile_callbacks")
+    if start not in handler.start_callbacks:
+        handler.register_start_callback(start)
+    if end not in handler.end_callbacks:
+        handler.register_end_callback(end)
+
+
+def unwatch_compiles(start: Any, end: Any) -> None:
+    handler = check("compile_callbacks")
+    if start in handler.start_callbacks:
+        handler.remove_start_callback(start)
+    if end in handler.end_callbacks:
+        handler.remove_end_callback(end)
+
+
+__all__ += [name for name in ENTRIES if name.isidentifier() and name not in __all__]  # this block's entries
+__all__ += ["unwatch_compiles", "watch_compiles"]

@@ -13,10 +13,13 @@ DTensor and user code do not, so :class:`CollectiveWaitTimer` times the points w
   on CUDA those are wait points too (``wait_for_unshard``'s window also holds the copy-out of the
   gathered parameters, a memory copy).
 
-Only the thread that opened the window is timed, only the outermost wait point counts (a
-``Work.wait()`` inside a timed FSDP wait is not counted twice), and the wrappers are installed while
-at least one timer is installed, then removed (a wrapper another patcher has since wrapped is left in
-place, inert).
+Waits on every thread count while a window is open, not only on the thread that opened it: on CUDA,
+autograd runs backward on its own device thread, where FSDP2 waits for its reduce-scatters (a wait on a
+thread that opened a window of its own counts there only). Waits that overlap in time (two threads
+waiting at once) count once in :attr:`Window.waited`. Only the outermost wait point of a thread counts (a
+``Work.wait()`` inside a timed FSDP wait is not counted twice), and the wrappers are installed while at
+least one timer is installed, then removed (a wrapper another patcher has since wrapped is left in place,
+inert).
 """
 
 from __future__ import annotations
@@ -86,11 +89,16 @@ _installed: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original,
 
 
 def _current() -> CollectiveWaitTimer | None:
+    """The open window a wait on this thread belongs to: the one this thread opened, else any open one (a
+    helper thread, such as autograd's device thread, works for whichever step is running)."""
     thread = threading.get_ident()
-    for timer in _timers:
-        if timer._open and timer._thread == thread:
-            return timer
-    return None
+    found = None
+    for timer in tuple(_timers):  # copied: a timer may be installed meanwhile on another thread
+        if timer._open:
+            if timer._thread == thread:
+                return timer
+            found = found or timer
+    return found
 
 
 def _async_index(fn: Any) -> int | None:
@@ -163,7 +171,7 @@ def _uninstall() -> None:
 
 
 class CollectiveWaitTimer:
-    """Times, per window, how long compute waited on collectives on the calling thread (or CUDA stream).
+    """Times, per window, how long compute waited on collectives, on any thread (on CUDA: on the compute stream).
 
     Use :meth:`install` once, then :meth:`open` / :meth:`close` around each step and read
     :meth:`windows`; :meth:`uninstall` at the end. On CUDA only every ``cuda_every``-th window (and the
@@ -193,7 +201,9 @@ class CollectiveWaitTimer:
         self._thread: int | None = None
         self._count = 0
         self._t0 = 0.0
-        self._waits: list[float] = []
+        self._window = 0  # which window is open: a wait that ends after its window closed is dropped
+        self._waits: list[tuple[float, float]] = []  # (start, end) of each wait, any thread
+        self._waits_lock = threading.Lock()
         self._stream: Any = None
         self._events: list[Any] = []  # CUDA: start, (before, after)*, end
         self._pending: list[list[Any]] = []
@@ -224,25 +234,29 @@ class CollectiveWaitTimer:
         measured = not self.cuda or self._count <= 3 or self._count % self.cuda_every == 0
         if not measured:
             return False
-        self._thread = threading.get_ident()
-        self._waits = []
-        if self.cuda:
-            self._stream = torch.cuda.current_stream(self.device)
-            self._events = [self._record()]
-        self._open = True
-        self._t0 = time.perf_counter()
+        with self._waits_lock:
+            self._thread = threading.get_ident()
+            self._window += 1
+            self._waits = []
+            if self.cuda:
+                self._stream = torch.cuda.current_stream(self.device)
+                self._events = [self._record()]
+            self._t0 = time.perf_counter()
+            self._open = True
         return True
 
     def close(self) -> None:
-        if not self._open:
-            return
-        self._open = False
-        if self.cuda:
-            self._events.append(self._record())
-            self._pending.append(self._events)
-            self._events = []
-        else:
-            self._add(time.perf_counter() - self._t0, self._waits)
+        with self._waits_lock:
+            if not self._open:
+                return
+            self._open = False
+            if self.cuda:
+                self._events.append(self._record())
+                self._pending.append(self._events)
+                self._events = []
+                return
+            span, waits = time.perf_counter() - self._t0, self._waits
+        self._add(span, [end - start for start, end in sorted(waits)], _covered(waits))
 
     def windows(self) -> list[Window]:
         """The measured windows since the last :meth:`clear` (waits for pending CUDA events)."""
@@ -262,6 +276,7 @@ class CollectiveWaitTimer:
     def _time(self, fn: Any, args: tuple, kwargs: dict) -> Any:
         if self.cuda and torch.cuda.current_stream(self.device) != self._stream:
             return fn(*args, **kwargs)  # issued on a side stream: a launch, not a wait of compute
+        window = self._window
         _local.depth += 1
         try:
             if self.cuda:
@@ -269,12 +284,18 @@ class CollectiveWaitTimer:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self._events.extend((before, self._record()))
+                    after = self._record()
+                    with self._waits_lock:
+                        if self._open and self._window == window:
+                            self._events.extend((before, after))
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._waits.append(time.perf_counter() - start)
+                end = time.perf_counter()
+                with self._waits_lock:
+                    if self._open and self._window == window:
+                        self._waits.append((start, end))
         finally:
             _local.depth -= 1
 
@@ -285,13 +306,24 @@ class CollectiveWaitTimer:
                 return
             events[-1].synchronize()
             self._pending.pop(0)
-            self._add(*span_and_waits(events))
+            span, waits = span_and_waits(events)
+            self._add(span, waits, sum(waits))  # one stream: its waits never overlap
 
-    def _add(self, span: float, waits: list[float]) -> None:
-        self._windows.append(Window(span, sum(waits), tuple(waits)))
+    def _add(self, span: float, waits: list[float], waited: float) -> None:
+        self._windows.append(Window(span, waited, tuple(waits)))
         if len(self._windows) > self.keep_waits:  # older windows keep their totals only
             old = self._windows[-self.keep_waits - 1]
             self._windows[-self.keep_waits - 1] = Window(old.span, old.waited)
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by at least one of ``intervals`` (waits on several threads at once count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def span_and_waits(events: Sequence[Any]) -> tuple[float, list[float]]:

@@ -29,9 +29,14 @@ The features:
   that went past a batch without joining its backward collectives).
 - **Stall reports** (:mod:`~lit_parallel.reliability.stall`): when no rank completes a training step for
   ``stall_timeout``, one report says where every rank is and every rank exits with status 124; data
-  loading, validation, saves and the first steps of a fit are not timed.
+  loading, validation, saves, torch.compile's compilations and the first steps of a fit are not timed.
+  Every stall limit ends before the collective timeout (less 10 %, at least 30 s), so that the report comes
+  before NCCL's watchdog would end the process.
 - **Signals** (:mod:`~lit_parallel.reliability.signals`): ``SIGINT`` / ``SIGTERM`` end every rank within
   seconds, even while blocked in a collective, with exit status 128 + the signal number.
+- **Exits abort the communicators**: every path on which a rank ends itself (``os._exit``) first aborts its
+  process groups, within a bounded time (:func:`~lit_parallel.reliability.groups.exit_process`), so that
+  NCCL peers fail at once instead of waiting out the timeout.
 - **A watchdog for Lightning's launcher** (``python train.py`` with ``devices=N``): the launching process
   (rank 0) ends the other ranks when it fails, waits for them when it finishes, and stops the run within a
   fraction of a second when one of them dies; the other ranks exit when the launching process is gone. No

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_parallel import _compat
+from lit_parallel import _compat, _logging
 from lit_parallel.reliability import groups, launcher
 from lit_parallel.reliability.checkpoints import (
     ReliableCheckpointIO,
@@ -29,10 +29,13 @@ from lit_parallel.reliability.checkpoints import (
 )
 from lit_parallel.reliability.launcher import watch_launcher
 from lit_parallel.reliability.options import (
+    AUTO_FLOOR_S,
     RNG_KEY,
     DebugLevel,
     ReliabilityOptions,
     _stderr,
+    check_stall_timeout_fits,
+    limit_before_timeout_s,
 )
 from lit_parallel.reliability.preemption import Preemption
 from lit_parallel.reliability.reports import _classify, _first_line, _main_thread_frames, _Progress, _Reporter
@@ -162,12 +165,27 @@ class Reliability:
         self.reporter.start()
 
     def _start_stall_watchdog(self) -> None:
-        """One thread per rank, on the reporter's store (see :mod:`~lit_parallel.reliability.stall`)."""
+        """One thread per rank, on the reporter's store (see :mod:`~lit_parallel.reliability.stall`), with every
+        limit ending before the shortest collective timeout of this rank's groups (read from the groups: a
+        group created before the strategy keeps its own)."""
         self.clock = StallClock()
         setting = self.options.stall_timeout
         if self.reporter is None or self.stall is not None or setting is None:
             return
         reporter = self.reporter
+        timeout_s = groups.collective_timeout_s(self.timeout)
+        check_stall_timeout_fits(
+            setting, timedelta(seconds=timeout_s), "timeout of this rank's process groups"
+        )
+        limit_s = limit_before_timeout_s(timeout_s)
+        if setting == "auto" and limit_s < AUTO_FLOOR_S:
+            _logging.info(
+                f"stall_timeout='auto' is off: the collective timeout ({timeout_s:g} s) leaves"
+                f" {max(limit_s, 0.0):g} s before it, less than the automatic stall limit's floor"
+                f" ({AUTO_FLOOR_S:g} s); a hang is reported when the collective times out. Pass a number"
+                f" (at most {max(limit_s, 0.0):g} s) to have stall reports"
+            )
+            return
 
         def describe() -> dict:
             return {**self.progress.as_dict(), "rank": reporter.rank, "frames": _main_thread_frames()}
@@ -181,6 +199,7 @@ class Reliability:
             setting,
             describe,
             on_end=lambda code: launcher.stop_children(None, CHILD_WAIT_S),
+            limit_s=limit_s,
         )
         self.stall.start()
 
@@ -189,7 +208,10 @@ class Reliability:
         if self.signals is not None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         skip = self.preemption.signum if self.preemption is not None else None
-        self.signals = SignalExit(dist.get_rank(), launcher.stop_children, skip=skip)
+        # the exit aborts the communicators first: NCCL peers fail at once instead of waiting out the timeout
+        self.signals = SignalExit(
+            dist.get_rank(), launcher.stop_children, skip=skip, exit_with=groups.exit_process
+        )
         if not self.signals.install():
             self.signals = None
 

@@ -1,5 +1,6 @@
-"""Process groups: created with a long rendezvous, the strategy's timeout on every group, and destroying the
-groups the strategy created."""
+"""Process groups: created with a long rendezvous, the strategy's timeout on every group (and reading the
+timeout a group really has), destroying the groups the strategy created, and aborting every communicator
+before the process ends itself (:func:`exit_process`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import contextlib
 import gc
 import itertools
 import os
+import sys
+import threading
 import warnings
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -23,6 +26,10 @@ _RUNS = itertools.count()
 # store server per port alive in the process, with the old group's keys, so a new group on the same
 # MASTER_PORT must use fresh keys (a new prefix) to rendezvous.
 _RETRY: dict[str, Any] = {"store": None, "count": 0}
+# How long aborting the communicators may take before the process exits anyway (ncclCommAbort normally takes
+# well under a second; a driver in a bad state can make it hang).
+ABORT_WAIT_S = 10.0
+_EXITING = threading.Lock()
 
 
 def _destroy_owned_group_at_exit() -> None:
@@ -96,13 +103,80 @@ def own_default_group() -> None:
 
 
 def destroy_after_failure() -> None:
-    """A failed run leaves its process group unusable (a timed-out collective poisons it): destroy it so
-    that a retry in this process creates a fresh one."""
+    """A failed run leaves its process group unusable (a timed-out collective poisons it): abort it so that a
+    retry in this process creates a fresh one. Aborted, not destroyed: on NCCL, destroying a group whose
+    collective timed out may wait for that collective (see :func:`abort_communicators`)."""
     with contextlib.suppress(Exception):
         _RETRY["store"] = _compat.get_default_store()
         _RETRY["count"] += 1
-        dist.destroy_process_group()
+    problem = abort_communicators()
+    if problem is not None:
+        _write_stderr(f"lit_parallel: after the failure, {problem}")
+    if dist.is_initialized():  # the abort did not get through: at least forget the group
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
     _OWNED_GROUPS.clear()
+
+
+def abort_communicators(wait_s: float | None = None) -> str | None:
+    """Abort every process group of this rank (``torch.distributed``'s abort: NCCL communicators end at once,
+    and the peers' collectives with this rank fail instead of waiting out the timeout), waiting at most
+    ``wait_s`` (default :data:`ABORT_WAIT_S`) so that an abort cannot hang; what went wrong, or ``None``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    wait_s = ABORT_WAIT_S if wait_s is None else wait_s
+    failed: list[BaseException] = []
+
+    def abort() -> None:
+        try:
+            _compat.abort_process_groups()
+        except BaseException as err:  # reported below; the exit must not depend on it
+            failed.append(err)
+
+    thread = threading.Thread(target=abort, name="lit_parallel-abort", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if thread.is_alive():
+        return f"aborting the process group did not finish within {wait_s:g} s; exiting without it"
+    if failed:
+        return f"aborting the process group failed ({type(failed[0]).__name__}: {failed[0]})"
+    return None
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process now with status ``code`` (``os._exit``: no Python shutdown, which a thread blocked in
+    a collective would hang), after aborting its communicators (:func:`abort_communicators`). The first
+    caller exits; a second one (a signal during a stall's exit) waits for it, then exits too."""
+    if _EXITING.acquire(timeout=ABORT_WAIT_S + 5.0):
+        rank = "?"
+        with contextlib.suppress(Exception):
+            rank = str(dist.get_rank())
+        problem = abort_communicators()
+        if problem is not None:
+            _write_stderr(f"lit_parallel: rank {rank} (pid {os.getpid()}): {problem}")
+    os._exit(code)
+
+
+def _write_stderr(text: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, (text + "\n").encode())
+
+
+def collective_timeout_s(fallback: timedelta | None) -> float:
+    """The shortest collective timeout among this rank's process groups (what a waiting collective really
+    gets); ``fallback`` (or torch's default) where no group's timeout can be read."""
+    found = []
+    if dist.is_available() and dist.is_initialized():
+        for group in _compat.all_process_groups():
+            with contextlib.suppress(Exception):
+                timeout = _compat.group_timeout(group)
+                if isinstance(timeout, timedelta) and timeout > timedelta(0):
+                    found.append(timeout.total_seconds())
+    if found:
+        return min(found)
+    return (fallback or default_pg_timeout).total_seconds()
 
 
 def default_store() -> Any | None:

@@ -20,6 +20,7 @@ from lit_parallel._compat import (
     set_launcher,
     set_num_threads_if_needed,
 )
+from lit_parallel.reliability.groups import exit_process
 from lit_parallel.reliability.options import LAUNCHER_PID_ENV, POLL_S, _stderr
 from lit_parallel.reliability.reports import _ranks
 from lit_parallel.reliability.stall import STALL_EXIT_CODE
@@ -109,7 +110,7 @@ class _LauncherWatchdog:
         rank0 = self.first_rank - 1
         if not quiet:
             _stderr(f"{message}: stopped rank(s) {_ranks(killed)} and rank {rank0} (the launching process)")
-        os._exit(exit_code)
+        exit_process(exit_code)  # aborts this process's communicators first
 
     def stop_children(self, signum: int | None, wait_s: float) -> str:
         """The run ends (a signal, a stall): pass ``signum`` on to the started ranks, wait for them up to
@@ -183,7 +184,7 @@ class _ParentWatchdog:
                     f"lit_parallel: local rank {rank} (pid {os.getpid()}): the launching process (pid"
                     f" {self.parent}) is gone; exiting"
                 )
-                os._exit(1)
+                exit_process(1)  # aborts the communicators first: the peers' collectives fail at once
 
 
 _LAUNCHED: _LauncherWatchdog | None = None  # the ranks this process started

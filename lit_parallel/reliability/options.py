@@ -6,6 +6,7 @@ import math
 import signal
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 DEBUG_LEVELS = ("off", "info", "detail")
@@ -17,7 +18,14 @@ POLL_S = 0.2
 # stall_timeout="auto" (lit_parallel.reliability.stall)
 AUTO_FACTOR = 10.0  # "auto": this many times the slowest of the recent steps ...
 AUTO_FLOOR_S = 120.0  # ... but at least this (steps under a second: reported within about two minutes) ...
-AUTO_CEILING_S = 1800.0  # ... and at most this (torch's default collective timeout)
+# ... and at most the collective timeout less a margin (limit_before_timeout_s). Every stall limit (the step
+# deadline, the time a rank may stay in data loading, validation or a save) must end before a waiting
+# collective times out: on NCCL the watchdog then ends the process, and no report would be written. The
+# margin: 10 % of the timeout, at least the time a stall report takes from the deadline to the exit (a look
+# at the clock, collecting the answers, the other ranks' acknowledgements, stopping the started ranks,
+# aborting the communicators: under 25 s).
+MARGIN_FRACTION = 0.1
+MARGIN_MIN_S = 30.0
 
 DebugLevel = Literal["off", "info", "detail"]
 PreemptionSignal = Literal["auto"] | int | signal.Signals | str | None
@@ -39,9 +47,10 @@ class ReliabilityOptions:
             debug. ``"info"``: extra logging; ``"off"``: none.
         watchdog: under Lightning's own launcher, end every rank when one fails (see the module docstring).
         stall_timeout: ``"auto"`` (default): when no rank completes a training step for 10 x the slowest recent
-            step (at least 120 s, at most 1800 s), one report says where every rank is and every rank exits with
-            status 124 (see :mod:`~lit_parallel.reliability.stall`). A number: that many seconds. ``None`` or
-            ``False``: off.
+            step (at least 120 s, at most the collective timeout less a margin: 1620 s for 30 minutes), one
+            report says where every rank is and every rank exits with status 124 (see
+            :mod:`~lit_parallel.reliability.stall`). A number: that many seconds, below the same limit.
+            ``None`` or ``False``: off.
         preemption_signal: ``"auto"`` (default): in a SLURM job (Lightning's ``SLURMEnvironment``, or torchrun
             inside a SLURM allocation), SLURM's requeue signal (``SIGUSR1``, or the environment's
             ``requeue_signal``; off when its ``auto_requeue`` is off); otherwise off. A signal (``"SIGUSR1"``,
@@ -79,10 +88,36 @@ def check_stall_timeout(value: Any) -> Literal["auto"] | float | None:
     ):
         raise ValueError(
             f"stall_timeout={value!r} must be 'auto' ({AUTO_FACTOR:g} x the slowest recent training step, at least"
-            f" {AUTO_FLOOR_S:g} s and at most {AUTO_CEILING_S:g} s), a positive number of seconds, or None /"
-            " False (no stall reports)"
+            f" {AUTO_FLOOR_S:g} s and at most the collective timeout less a margin), a positive number of"
+            " seconds, or None / False (no stall reports)"
         )
     return float(value)
+
+
+def limit_before_timeout_s(timeout_s: float) -> float:
+    """The longest any stall limit may be under a collective timeout of ``timeout_s`` seconds, so that the stall
+    report is written and every rank has exited before a waiting collective times out (on NCCL, torch's
+    watchdog then ends the process without a report). Zero or less: no room for a stall report."""
+    return timeout_s - max(MARGIN_FRACTION * timeout_s, MARGIN_MIN_S)
+
+
+def check_stall_timeout_fits(stall_timeout: Any, timeout: timedelta | None, where: str = "timeout") -> None:
+    """A number given as ``stall_timeout`` must end before the collective ``timeout`` (see
+    :func:`limit_before_timeout_s`); ``where`` names where the timeout comes from."""
+    if not isinstance(stall_timeout, float) or timeout is None:
+        return
+    timeout_s = timeout.total_seconds()
+    limit = limit_before_timeout_s(timeout_s)
+    if stall_timeout <= limit:
+        return
+    needed = max(stall_timeout + MARGIN_MIN_S, stall_timeout / (1 - MARGIN_FRACTION))
+    fix = f"stall_timeout={limit:g} or less, or " if limit > 0 else ""
+    raise ValueError(
+        f"stall_timeout={stall_timeout:g} s does not end before the collective {where} ({timeout_s:g} s) less the"
+        f" time a stall report needs ({timeout_s - limit:g} s): a stall must be reported before a waiting"
+        " collective times out (on NCCL, torch's watchdog ends the process at the timeout, without a report)."
+        f" Pass {fix}timeout=timedelta(seconds={math.ceil(needed)}) or more, or stall_timeout=None"
+    )
 
 
 def _parse_signal(value: Any) -> Any:

@@ -7,6 +7,11 @@ descriptor at once. A thread reads it and ends the process: in the launching pro
 launcher it first passes the signal on to the ranks it started and waits for them (a few seconds, then
 ``SIGKILL``). The Python-level handler keeps the main thread from starting a shutdown of its own (Lightning
 turns ``SIGTERM`` into a clean stop with status 0, ``KeyboardInterrupt`` into status 1).
+
+The process ends through ``exit_with(code)``: the strategies pass
+:func:`lit_parallel.reliability.groups.exit_process`, which aborts the communicators first (on NCCL the
+peers' collectives then fail at once instead of waiting out the timeout). This module itself needs only the
+standard library.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 CHILD_WAIT_S = 5.0  # how long the launching process waits for its ranks before it kills them
+# how long the main thread's handler waits for the thread's exit (stopping the ranks, then aborting the
+# communicators: groups.ABORT_WAIT_S) before it ends the process itself
+HANDLER_WAIT_S = CHILD_WAIT_S + 15.0
 
 
 def exit_status(signum: int) -> int:
@@ -33,9 +41,16 @@ class SignalExit:
     signal on to the ranks this process started and waits for them (Lightning's launcher), returning what
     to report about them."""
 
-    def __init__(self, rank: int, stop_children: Callable[[int, float], str], skip: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        stop_children: Callable[[int, float], str],
+        skip: Any = None,
+        exit_with: Callable[[int], Any] = os._exit,
+    ) -> None:
         self.rank = rank
         self.stop_children = stop_children
+        self.exit = exit_with
         self.signals = tuple(s for s in SIGNALS if s != skip)  # the preemption signal keeps its own meaning
         self.retired = False
         self._previous: dict[int, Any] = {}
@@ -104,8 +119,8 @@ class SignalExit:
             return
         # the thread ends the process (after the ranks this process started): keep the main thread from
         # shutting down on its own meanwhile (Lightning would exit with status 0 or 1)
-        threading.Event().wait(CHILD_WAIT_S + 5.0)
-        os._exit(exit_status(signum))
+        threading.Event().wait(HANDLER_WAIT_S)
+        self.exit(exit_status(signum))
 
     def _watch(self) -> None:
         assert self._fds is not None
@@ -136,4 +151,4 @@ class SignalExit:
         )
         with contextlib.suppress(OSError):
             os.write(2, (message + (f"; {children}" if children else "") + "\n").encode())
-        os._exit(code)
+        self.exit(code)

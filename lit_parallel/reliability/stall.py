@@ -2,11 +2,15 @@
 every rank is, and every rank exits with status :data:`STALL_EXIT_CODE`.
 
 Only time inside a training step counts (``on_train_batch_start`` to ``on_train_batch_end``; the first
-:data:`WARMUP_STEPS` steps of a fit excluded: compilation, warm-up). Data loading, validation, checkpoint
-saves and the callbacks between steps pause the clock; a rank in one of them makes the others wait up to :data:`PAUSED_CEILING_S` before a
-stall is reported. The decision is global: a rank whose step exceeds the deadline asks every rank, through
-the process group's key-value store, what it is doing; only when no rank is in a paused phase is the stall
-reported, by exactly one rank.
+:data:`WARMUP_STEPS` steps of a fit excluded: warm-up, ``ddp_tuned``'s wrap). Data loading, validation,
+checkpoint saves, the callbacks between steps and torch.compile's compilations (also recompiles late in
+training, on any thread) pause the clock; a rank in one of them makes the others wait up to the limit
+(``limit_s``: the collective timeout less a margin, see
+:func:`~lit_parallel.reliability.options.limit_before_timeout_s`) before a stall is reported. The decision is
+global: a rank whose step exceeds the deadline asks every rank, through the process group's key-value store,
+what it is doing; only when no rank is in a paused phase is the stall reported, by exactly one rank. Every
+limit ends before a waiting collective times out, so that the report is written before NCCL's watchdog ends
+the process; each rank then aborts its communicators and exits.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from lit_parallel import _compat
+from lit_parallel.reliability.groups import exit_process
 from lit_parallel.reliability.options import (
-    AUTO_CEILING_S,
     AUTO_FACTOR,
     AUTO_FLOOR_S,
     REPORT_WAIT_S,
@@ -29,30 +34,29 @@ from lit_parallel.reliability.options import (
 )
 
 STALL_EXIT_CODE = 124  # as timeout(1)
-PAUSED_CEILING_S = 1800.0  # a rank loading data, validating or saving for longer than this is stalled too
 RECENT_STEPS = 100
-WARMUP_STEPS = 2  # not timed: compilation, warm-up (ddp_tuned wraps the model in DDP on the second step)
+WARMUP_STEPS = 2  # not timed: warm-up (ddp_tuned wraps the model in DDP on the second step)
+COMPILING = "compiling (torch.compile)"
 CHECK_S = 1.0  # how often each rank's watchdog thread looks at its clock and at the store
 _END = 1 << 40  # added to the query counter: the run ends
 
 StallTimeout = Literal["auto"] | float | int | bool | None
 
 
-def step_deadline_s(setting: Literal["auto"] | float | None, slowest_step_s: float | None) -> float | None:
+def step_deadline_s(
+    setting: Literal["auto"] | float | None, slowest_step_s: float | None, limit_s: float
+) -> float | None:
     """How long one training step may last before it is a stall; ``None``: not timed (off, or ``"auto"`` before
-    a step has been measured in this fit)."""
+    a step has been measured in this fit, or ``"auto"`` under a collective timeout that leaves less than
+    :data:`AUTO_FLOOR_S`). ``limit_s``: the longest any stall limit may be (the collective timeout less a
+    margin); a number given as ``setting`` was checked against it when the watchdog started."""
     if setting is None:
         return None
     if setting != "auto":
         return float(setting)
-    if slowest_step_s is None:
+    if slowest_step_s is None or limit_s < AUTO_FLOOR_S:
         return None
-    return min(AUTO_CEILING_S, max(AUTO_FLOOR_S, AUTO_FACTOR * slowest_step_s))
-
-
-def paused_deadline_s(setting: Literal["auto"] | float | None) -> float:
-    """How long a rank may stay in a paused phase (data loading, validation, a save) before it is a stall."""
-    return max(PAUSED_CEILING_S, setting if isinstance(setting, float) else 0.0)
+    return min(limit_s, max(AUTO_FLOOR_S, AUTO_FACTOR * slowest_step_s))
 
 
 class StallClock:
@@ -66,6 +70,7 @@ class StallClock:
         self.completed = 0
         self.durations: deque[float] = deque(maxlen=RECENT_STEPS)
         self._step_start: float | None = None
+        self._before_compile: tuple[bool, str] | None = None
 
     def step_begins(self) -> None:
         now = time.monotonic()
@@ -84,6 +89,23 @@ class StallClock:
         self.in_step = False
         self._step_start = None  # a step that contained a save or validation is not a step time
         self.phase = what
+        self.since = time.monotonic()
+
+    def compile_begins(self, *args: Any) -> None:
+        """torch.compile starts compiling (dynamo's callback, on whatever thread compiles): not timed until it
+        ends; the step it happens in is not a step time (it would raise ``"auto"``'s deadline)."""
+        self._before_compile = (self.in_step, self.phase)
+        self.in_step = False
+        self._step_start = None
+        self.phase = COMPILING
+        self.since = time.monotonic()
+
+    def compile_ends(self, *args: Any) -> None:
+        """The compilation ended: back to the phase it interrupted (timed afresh from now)."""
+        before, self._before_compile = self._before_compile, None
+        if before is None or self.phase != COMPILING:  # the loop moved on meanwhile (another thread)
+            return
+        self.in_step, self.phase = before
         self.since = time.monotonic()
 
     def slowest(self) -> float | None:
@@ -202,23 +224,37 @@ class StallWatchdog:
         setting: Literal["auto"] | float,
         describe: Callable[[], dict],
         on_end: Callable[[int], None],
+        limit_s: float,
     ) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.clock, self.setting, self.describe, self.on_end = clock, setting, describe, on_end
+        self.limit_s = limit_s  # no stall limit is longer: the collective timeout less a margin
         self._stop = threading.Event()
         self._answered = 0
         self._next_check = 0.0
         self._silent: set[int] = set()  # ranks that did not answer the last question
-        self.exit: Callable[[int], Any] = os._exit
+        # ends the process: aborts the communicators first (NCCL peers fail at once), then os._exit
+        self.exit: Callable[[int], Any] = exit_process
+        self._compiles = (clock.compile_begins, clock.compile_ends)
         self._thread = threading.Thread(target=self._run, name="lit_parallel-stall-watchdog", daemon=True)
 
     def start(self) -> None:
+        try:
+            _compat.watch_compiles(*self._compiles)
+        except ImportError as err:  # an older or newer torch without dynamo's callbacks
+            self._compiles = None
+            _stderr(
+                f"lit_parallel: the stall clock cannot see torch.compile's compilations on this torch ({err}); a"
+                " recompilation longer than the stall limit would be reported as a stall"
+            )
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * CHECK_S + REPORT_WAIT_S)
+        if self._compiles is not None:
+            _compat.unwatch_compiles(*self._compiles)
 
     def _key(self, *parts: Any) -> str:
         return "/".join([self.prefix, *map(str, parts)])
@@ -226,6 +262,8 @@ class StallWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(CHECK_S):
             try:
+                if self._compiles is not None:  # torch._dynamo.reset() removes every compile callback
+                    _compat.watch_compiles(*self._compiles)
                 self.poll()
             except Exception:  # the store is gone (its host exited): nothing left to coordinate with
                 return
@@ -259,7 +297,7 @@ class StallWatchdog:
         now = time.monotonic()
         if now < self._next_check or not self.clock.in_step:
             return False
-        deadline = step_deadline_s(self.setting, self.clock.slowest())
+        deadline = step_deadline_s(self.setting, self.clock.slowest(), self.limit_s)
         return deadline is not None and now - self.clock.since > deadline
 
     def _collect(self, query: int) -> dict[int, dict]:
@@ -281,16 +319,20 @@ class StallWatchdog:
         query = self.store.add(self._key("query"), 1)
         self._answer(query)
         answers = self._collect(query)
-        limit = paused_deadline_s(self.setting)
+        limit = self.limit_s  # a rank loading data, validating, saving or compiling longer is stalled too
         paused = [r for r, a in answers.items() if not a["in_step"] and a["elapsed"] < limit]
         # a rank that did not answer twice in a row is stuck (its main thread holds the interpreter lock);
         # once may just be a busy machine
         missing = set(range(self.world_size)) - set(answers)
         silent_before, self._silent = self._silent, missing
-        deadline = step_deadline_s(self.setting, self.clock.slowest()) or 0.0
+        deadline = step_deadline_s(self.setting, self.clock.slowest(), self.limit_s) or 0.0
         if paused or not self.clock.in_step or not missing <= silent_before:
-            # a rank loading data, validating or saving holds the others up: not a stall (yet)
-            self._next_check = time.monotonic() + max(5.0, deadline / 4)
+            # a rank loading data, validating or saving holds the others up: not a stall (yet). Ask again
+            # soon after the first of them reaches the limit, not later: the collective timeout follows
+            wait = max(5.0, deadline / 4)
+            if paused:
+                wait = min(wait, max(CHECK_S, min(limit - answers[r]["elapsed"] for r in paused) + CHECK_S))
+            self._next_check = time.monotonic() + wait
             return
         if self.store.add(self._key("reporter"), 1) != 1:
             self._next_check = float("inf")  # another rank reports; wait for the end

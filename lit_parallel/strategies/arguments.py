@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityOptions
+from lit_parallel.reliability.options import check_stall_timeout_fits
 from lit_parallel.reliability.stall import StallTimeout
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -115,7 +116,11 @@ class CommonArguments:
         check_backend(self.process_group_backend)
         check_timeout(self.timeout)
         check_bool("auto_resume", self.auto_resume)
-        self.reliability_options()  # checks debug_level, watchdog, preemption_signal and stall_timeout
+        options = (
+            self.reliability_options()
+        )  # checks debug_level, watchdog, preemption_signal and stall_timeout
+        # a stall must be reported before a waiting collective times out (NCCL's watchdog reports nothing)
+        check_stall_timeout_fits(options.stall_timeout, self.timeout)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -4,18 +4,22 @@ gloo ranks.
 Three launches, each failing on purpose at its end:
 
 1. Lightning's launcher, 2 ranks: three fits in the same processes with ``stall_timeout=2`` and slow phases
-   that are not stalls (a slow first step, validation, checkpoint save, data loading), threads and
-   environment checked during and after each; then rank 1 sleeps for good in ``training_step``.
+   that are not stalls (a slow first step, a slow torch.compile recompilation late in the fit, validation,
+   checkpoint save, data loading), threads and environment checked during and after each; then rank 1
+   sleeps for good in ``training_step``.
 2. Lightning's launcher, 2 ranks: rank 1 sleeps for good, rank 0 waits in a collective, ``SIGINT`` to the
    launching process.
 3. torchrun, 2 ranks: the same with ``SIGTERM`` to torchrun's agent.
 
-Expected positions are read from the scenario's source, exit statuses from the processes themselves.
+Expected positions are read from the scenario's source, exit statuses from the processes themselves. Every
+rank of every launch ends through ``os._exit`` after aborting its communicators (a spy around the abort
+writes ``aborted_rank<r>``).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -48,6 +52,12 @@ def _launch(tmp_path_factory, tag: str, scenarios: list[str], launcher: str, **a
     return launch_failing(
         tmp_path_factory, tag, [f"{SC}:{s}" for s in scenarios], args=args, launcher=launcher, timeout=400
     )
+
+
+def _assert_every_rank_aborted_its_communicators(data: Path) -> None:
+    for rank in (0, 1):
+        seen = json.loads((data / f"aborted_rank{rank}").read_text())
+        assert seen["groups"] >= 1 and seen["initialized_after"] is False, (rank, seen)
 
 
 def _line_of(marker: str) -> int:
@@ -97,6 +107,9 @@ def test_slow_first_step_validation_save_and_data_loading_are_not_reported_as_st
     for rank in (0, 1):
         out = torch.load(data / f"fits_rank{rank}.pt", weights_only=True)
         assert [out[f]["losses"] for f in ("fit1", "fit2", "fit3")] == [BATCHES] * 3
+        # compiled in the first step, compiled again for the new shape in step 4 (slowly on rank 1, while
+        # rank 0 waited for it in the gradient all-reduce): the clock paused while torch compiled
+        assert out["fit1"]["compiled_shapes"] == [4, 3], out["fit1"]["compiled_shapes"]
     assert (data / "ckpt").is_dir()  # the slow saves happened
     assert res.output.count("lit_parallel: stall:") == 1  # the real stall at the end, nothing before
 
@@ -120,6 +133,7 @@ def test_a_rank_stuck_in_training_step_is_reported_once_and_every_rank_exits(sta
     # report came before every process was gone
     assert sc.STALL_S < stalled_for <= gone + STEP_TO_STAMP_S
     assert gone < sc.STALL_S + SLACK_S
+    _assert_every_rank_aborted_its_communicators(data)
 
 
 # --- launches 2 and 3: signals while a rank blocks in a collective ---------------------------------------
@@ -149,6 +163,7 @@ def test_sigint_to_lightnings_launching_process_ends_every_rank_with_status_130(
     gone = end - _stamp(data / "signal_sent")
     print(f"SIGINT to every process gone: {gone:.2f} s")
     assert gone < SLACK_S
+    _assert_every_rank_aborted_its_communicators(data)
 
 
 @pytest.mark.timeout(460)
@@ -162,3 +177,4 @@ def test_sigterm_to_torchrun_ends_every_rank_with_status_143(sigterm_torchrun):
     gone = end - _stamp(data / "signal_sent")
     print(f"SIGTERM to torchrun to every process gone: {gone:.2f} s")
     assert gone < SLACK_S
+    _assert_every_rank_aborted_its_communicators(data)

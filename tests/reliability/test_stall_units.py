@@ -7,26 +7,29 @@ import signal
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 
 import lit_parallel as lp
-from lit_parallel.reliability import stall
+from lit_parallel import _compat
+from lit_parallel.reliability import groups, stall
 from lit_parallel.reliability.options import (
-    AUTO_CEILING_S,
     AUTO_FACTOR,
     AUTO_FLOOR_S,
     REPORT_WAIT_S,
     check_stall_timeout,
+    check_stall_timeout_fits,
+    limit_before_timeout_s,
 )
-from lit_parallel.reliability.signals import SignalExit
+from lit_parallel.reliability.signals import CHILD_WAIT_S, SignalExit
 from lit_parallel.reliability.stall import (
     CHECK_S,
-    PAUSED_CEILING_S,
+    COMPILING,
     StallClock,
     compose_stall_report,
-    paused_deadline_s,
     short_position,
     step_deadline_s,
 )
@@ -81,27 +84,100 @@ def test_stall_reports_are_on_by_default_in_every_strategy():
 # --- the deadline ---------------------------------------------------------------------------------------
 
 
-def test_auto_deadline_is_ten_times_the_slowest_step_between_floor_and_ceiling():
-    assert (AUTO_FACTOR, AUTO_FLOOR_S, AUTO_CEILING_S) == (10.0, 120.0, 1800.0)
-    assert step_deadline_s("auto", 0.01) == 120.0
-    assert step_deadline_s("auto", 30.0) == 300.0
-    assert step_deadline_s("auto", 90.0) == 900.0
-    assert step_deadline_s("auto", 500.0) == 1800.0
-    assert step_deadline_s(7.5, 500.0) == step_deadline_s(7.5, None) == 7.5  # a number is used as given
-    assert step_deadline_s("auto", None) is None  # nothing measured yet: not timed
-    assert step_deadline_s(None, 1.0) is None
+LIMIT_30_MIN = limit_before_timeout_s(1800.0)  # under Lightning's default collective timeout
+
+
+def test_auto_deadline_is_ten_times_the_slowest_step_between_floor_and_the_limit():
+    assert (AUTO_FACTOR, AUTO_FLOOR_S) == (10.0, 120.0)
+    assert LIMIT_30_MIN == 1800.0 - 180.0  # 10 % of the timeout
+    assert step_deadline_s("auto", 0.01, LIMIT_30_MIN) == 120.0
+    assert step_deadline_s("auto", 30.0, LIMIT_30_MIN) == 300.0
+    assert step_deadline_s("auto", 90.0, LIMIT_30_MIN) == 900.0
+    assert step_deadline_s("auto", 500.0, LIMIT_30_MIN) == 1620.0
+    assert step_deadline_s(7.5, 500.0, LIMIT_30_MIN) == step_deadline_s(7.5, None, 10.0) == 7.5  # as given
+    assert step_deadline_s("auto", None, LIMIT_30_MIN) is None  # nothing measured yet: not timed
+    assert step_deadline_s(None, 1.0, LIMIT_30_MIN) is None
+    # a collective timeout too short for the floor: "auto" does not time steps (the timeout's report does)
+    assert step_deadline_s("auto", 0.01, limit_before_timeout_s(120.0)) is None
 
 
 def test_a_job_with_sub_second_steps_is_reported_within_five_minutes():
     # the deadline, plus one look at the clock, plus the time to collect every rank's answer
-    worst = step_deadline_s("auto", 0.999) + CHECK_S + REPORT_WAIT_S
+    worst = step_deadline_s("auto", 0.999, LIMIT_30_MIN) + CHECK_S + REPORT_WAIT_S
     assert worst <= 300.0
 
 
-def test_paused_phases_wait_for_the_ceiling_or_a_longer_stall_timeout():
-    assert paused_deadline_s("auto") == PAUSED_CEILING_S == 1800.0
-    assert paused_deadline_s(4.0) == 1800.0
-    assert paused_deadline_s(3600.0) == 3600.0
+# What a stall report needs from the deadline to the exit of every process, added up from the waits of the
+# report's path (a look at the clock, collecting the answers, the acknowledgements, stopping the ranks the
+# launching process started, aborting the communicators).
+REPORT_PATH_S = CHECK_S + 2 * REPORT_WAIT_S + CHILD_WAIT_S + groups.ABORT_WAIT_S
+
+
+@pytest.mark.parametrize(
+    "timeout_s",
+    [
+        1800.0,  # Lightning's and every strategy's default timeout (also under SLURM: nothing changes it)
+        600.0,  # torch's NCCL default, when timeout=None reaches init_process_group
+        150.0,  # the shortest with "auto" on
+        120.0,  # the test harness's torchrun group (tests/_worker.py)
+        3600.0,
+        86400.0,
+    ],
+)
+def test_every_stall_limit_ends_before_the_collective_timeout_with_time_for_the_report(timeout_s):
+    limit = limit_before_timeout_s(timeout_s)
+    # the time a rank may stay in data loading, validation, a save or a compilation
+    assert limit + REPORT_PATH_S < timeout_s
+    for slowest in (0.001, 1.0, 12.0, 100.0, 1e4):
+        deadline = step_deadline_s("auto", slowest, limit)
+        assert deadline is None or deadline + REPORT_PATH_S < timeout_s, (slowest, deadline)
+
+
+def test_a_stall_timeout_that_would_end_after_the_collective_timeout_is_refused_naming_the_fix():
+    check_stall_timeout_fits(1620.0, timedelta(minutes=30))
+    check_stall_timeout_fits("auto", timedelta(seconds=10))  # "auto" adapts (or is off)
+    check_stall_timeout_fits(5000.0, None)  # unknown until the group exists: checked at set-up
+    with pytest.raises(ValueError) as caught:
+        check_stall_timeout_fits(1800.0, timedelta(minutes=30))
+    message = str(caught.value)
+    assert "stall_timeout=1800 s does not end before the collective timeout (1800 s)" in message
+    assert "Pass stall_timeout=1620 or less, or timeout=timedelta(seconds=2000) or more" in message
+    with pytest.raises(ValueError, match=r"\(20 s\).* Pass timeout=timedelta\(seconds=35\) or more"):
+        check_stall_timeout_fits(5.0, timedelta(seconds=20))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: lp.TunedDDPStrategy(**kw),
+        lambda **kw: lp.TransformerFSDPStrategy(**kw),
+        lambda **kw: lp.TensorParallelStrategy(**kw),
+        lambda **kw: lp.AutoStrategy(**kw),
+    ],
+)
+def test_every_strategy_refuses_a_stall_timeout_beyond_its_collective_timeout_when_built(make):
+    with pytest.raises(ValueError, match=r"stall_timeout=1800 s does not end before the collective timeout"):
+        make(stall_timeout=1800)  # the default timeout: 30 minutes
+    with pytest.raises(ValueError, match=r"stall_timeout=280 s .* timeout \(300 s\)"):
+        make(stall_timeout=280, timeout=timedelta(minutes=5))
+    make(stall_timeout=270, timeout=timedelta(minutes=5))
+
+
+def test_the_limits_follow_the_timeout_a_real_process_group_has(tmp_path):
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=400))
+    try:
+        sub = dist.new_group([0], timeout=timedelta(seconds=250))
+        assert _compat.group_timeout(sub) == timedelta(seconds=250)
+        # the shortest of the rank's groups, whatever the strategy was told
+        assert groups.collective_timeout_s(timedelta(minutes=30)) == 250.0
+        groups.set_timeout_on_all_groups(timedelta(seconds=900))
+        assert groups.collective_timeout_s(None) == 900.0
+    finally:
+        dist.destroy_process_group()
+    assert groups.collective_timeout_s(timedelta(seconds=77)) == 77.0  # no group: the configured one
 
 
 class _FakeTime:
@@ -112,11 +188,41 @@ class _FakeTime:
         return self.now
 
 
+def test_the_clock_pauses_while_torch_compiles_also_a_recompile_late_in_training():
+    clock = StallClock()
+    clock.completed = stall.WARMUP_STEPS  # past warm-up: steps are timed
+    during: list[tuple[bool, str]] = []
+
+    def backend(gm, example_inputs):  # a real dynamo compilation; the backend runs inside it
+        during.append((clock.in_step, clock.phase))
+        return gm.forward
+
+    double = torch.compile(lambda x: x * 2, backend=backend, dynamic=False)
+    _compat.watch_compiles(clock.compile_begins, clock.compile_ends)
+    try:
+        clock.step_begins()
+        double(torch.ones(4))  # first compile
+        assert clock.in_step and clock.phase == "training step"
+        clock.step_ends()
+        clock.step_begins()
+        double(torch.ones(4))  # cached: no compile, the step is timed throughout
+        clock.step_ends()
+        clock.step_begins()
+        before = clock.since
+        double(torch.ones(3))  # a new shape (a smaller last batch): a recompile inside a timed step
+        assert clock.in_step and clock.phase == "training step" and clock.since > before  # timed afresh
+        clock.step_ends()
+    finally:
+        _compat.unwatch_compiles(clock.compile_begins, clock.compile_ends)
+    assert during == [(False, COMPILING), (False, COMPILING)]
+    assert len(clock.durations) == 1  # the steps that compiled are no step times ("auto" ignores them)
+
+
 def test_the_clock_times_only_steps_after_warm_up_and_without_a_save_or_validation(monkeypatch):
     fake = _FakeTime()
     monkeypatch.setattr(stall, "time", fake)
     clock = StallClock()
-    for duration in (50.0, 20.0):  # two warm-up steps (compilation, ddp_tuned's wrap): never timed
+    for duration in (50.0, 20.0):  # two warm-up steps (ddp_tuned's wrap): never timed
         clock.step_begins()
         assert not clock.in_step and "not timed" in clock.phase
         fake.now += duration
@@ -302,6 +408,7 @@ def _watchdogs(monkeypatch, setting=3.0):
             setting,
             lambda r=rank: {"stage": "training_step", "rank": r},
             lambda c: None,
+            limit_s=LIMIT_30_MIN,
         )
         dog.exit = lambda code, r=rank: ended.append((r, code))
         dogs.append(dog)
@@ -317,6 +424,23 @@ def test_a_rank_loading_data_holds_the_report_back(monkeypatch, capsys):
     r0.poll()
     assert ended == [] and "stall" not in capsys.readouterr().err
     assert r0._next_check == fake.now + 5.0  # asks again in 5 s, not at every look
+
+
+def test_a_rank_paused_near_the_limit_is_asked_again_when_it_reaches_it(monkeypatch, capsys):
+    # rank 1 has loaded data for nearly the limit: the next question comes when it reaches it (and the
+    # report before the collective timeout), not a quarter of a long deadline later
+    fake, _, (r0, r1), ended = _watchdogs(monkeypatch, setting=1000.0)
+    r1.clock.pause("between training steps (callbacks, data loading)")
+    fake.now += LIMIT_30_MIN - 2.0 - 1001.0
+    r0.clock.step_begins()
+    fake.now += 1001.0  # rank 0 past its deadline, rank 1 2 s short of the limit
+    r1._answer(1)
+    r0.poll()
+    assert ended == [] and r0._next_check == fake.now + 3.0  # the 2 s left, plus one look
+    fake.now += 3.0
+    r1._answer(2)  # now 1 s past the limit: stalled too
+    r0.poll()
+    assert ended == [(0, 124)] and capsys.readouterr().err.count("lit_parallel: stall:") == 1
 
 
 def test_every_rank_in_a_step_past_the_deadline_is_a_stall_reported_once(monkeypatch, capsys):

@@ -269,7 +269,7 @@ def tp_faulty_communication(ctx) -> dict:
 def wait_timer(ctx) -> dict:
     """CollectiveWaitTimer without Lightning: rank 1 arrives ~1 s late at a blocking all-reduce, then an
     asynchronous all-reduce is waited on inside an outer timed wait (counted once), then a collective on
-    another thread (not timed). ``arrived`` / ``returned``: ``time.perf_counter()`` just before and after the
+    another thread (timed too: on CUDA, autograd's device thread waits for FSDP2's collectives). ``arrived`` / ``returned``: ``time.perf_counter()`` just before and after the
     blocking all-reduce, measured here."""
     import threading
 

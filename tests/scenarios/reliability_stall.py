@@ -8,6 +8,7 @@ one rank while the other waits for it in a collective. Time stamps (``time.time(
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
@@ -36,13 +38,45 @@ def _ours() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("lit_parallel"))
 
 
+def _record_abort(ctx) -> None:
+    """A spy around the compatibility layer's abort (the real one runs): the exit that ends this rank writes
+    ``aborted_rank<r>`` (how many groups it aborted, whether torch.distributed was uninitialised after)."""
+    from lit_parallel import _compat
+
+    real = _compat.abort_process_groups
+
+    def spy():
+        seen = {"groups": len(_compat.all_process_groups())}
+        real()
+        seen["initialized_after"] = dist.is_initialized()
+        (Path(ctx.args["dir"]) / f"aborted_rank{ctx.rank}").write_text(json.dumps(seen))
+
+    _compat.abort_process_groups = spy
+
+
 class SlowLlama(NoisyLlama):
     """Sleeps where ``slow`` says, on rank 1: ``"first_step"``, ``"validation"``, ``"forever"`` (training
-    step 3 of the fit, after a time stamp)."""
+    step 3 of the fit, after a time stamp), ``"recompile"`` (torch.compile compiles a function again for a
+    new shape in training step 4, past the warm-up steps, between forward and backward: for ``SLOW_S`` on
+    rank 1; quickly on rank 0, which then waits for rank 1 in the gradient all-reduce)."""
 
     def __init__(self, ctx, slow: set[str]):
         super().__init__()
         self.ctx, self.slow = ctx, slow
+        self.compiled_shapes: list[int] = []
+
+        def backend(gm, example_inputs):
+            self.compiled_shapes.append(int(example_inputs[0].shape[0]))
+            if ctx.rank == 1 and len(self.compiled_shapes) > 1:
+                time.sleep(SLOW_S)  # a real compilation: dynamo's compile callbacks run around it
+            return gm.forward
+
+        self.double = torch.compile(lambda x: x * 2, backend=backend, dynamic=False)
+
+    def on_before_backward(self, loss):
+        # inside the timed step, outside DDP's forward (where dynamo would split the graph into buckets)
+        if "recompile" in self.slow:
+            self.double(torch.ones(3 if self.trainer.fit_loop.batch_idx >= 4 else 4))  # smaller from step 4
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and batch_idx == 0 and "first_step" in self.slow:
@@ -104,17 +138,24 @@ def _fit(ctx, name: str, model, data, val=None, callbacks=(), **kw) -> dict:
         "after": _ours(),
         "env": os.environ.get(LAUNCHER_PID_ENV),
         "losses": len(model.losses),
+        "compiled_shapes": model.compiled_shapes,
     }
 
 
 def three_fits_without_false_stalls(ctx) -> dict:
     """Lightning's launcher, 2 ranks; three fits in the same processes with ``stall_timeout=STALL_S``, each with
-    slow phases that are not stalls: (1) ddp_tuned, a slow first step and a slow validation; (2) ddp_tuned,
-    a slow checkpoint save and slow data loading; (3) fsdp_blocks, slow data loading."""
+    slow phases that are not stalls: (1) ddp_tuned, a slow first step, a slow recompilation in step 4 and a
+    slow validation; (2) ddp_tuned, a slow checkpoint save and slow data loading; (3) fsdp_blocks, slow data
+    loading."""
     out: dict = {"before": _ours(), "env_before": os.environ.get(LAUNCHER_PID_ENV)}
     val = DataLoader(lm_dataset(n=4), batch_size=BATCH)
     out["fit1"] = _fit(
-        ctx, "ddp_tuned", SlowLlama(ctx, {"first_step", "validation"}), _loader(), val, limit_val_batches=1
+        ctx,
+        "ddp_tuned",
+        SlowLlama(ctx, {"first_step", "recompile", "validation"}),
+        _loader(),
+        val,
+        limit_val_batches=1,
     )
     ckpt = ModelCheckpoint(dirpath=Path(ctx.args["dir"]) / "ckpt", every_n_train_steps=3, save_top_k=-1)
     out["fit2"] = _fit(
@@ -138,6 +179,7 @@ def _loader(at: int | None = None) -> DataLoader:
 
 def stall_then_exit(ctx) -> dict:
     """Last scenario of the launch: rank 1 sleeps for good in training step 3 (ddp_tuned, stall_timeout=STALL_S)."""
+    _record_abort(ctx)
     trainer(ctx, make_strategy("ddp_tuned", stall_timeout=STALL_S), max_epochs=1).fit(
         SlowLlama(ctx, {"forever"}), _loader()
     )
@@ -163,6 +205,7 @@ def signal_while_blocked(ctx) -> dict:
     """Rank 1 sleeps for good in training step 3, rank 0 waits in a collective; rank 0 sends
     ``args["signal"]`` to the launching process (Lightning's launcher: itself; torchrun: the agent)."""
     signum = signal.Signals[ctx.args["signal"]]
+    _record_abort(ctx)
     if ctx.rank == 0:
         _signal_when_stuck(ctx, signum, os.getppid() if ctx.torchrun else os.getpid())
     trainer(ctx, make_strategy("ddp_tuned", stall_timeout=None), max_epochs=1).fit(

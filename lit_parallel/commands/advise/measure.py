@@ -415,12 +415,12 @@ def _measure_pipeline(
     """pp_dp last (devices stages, data parallel 1): a rank that fails inside a pipeline step leaves the
     others waiting for its activations, so a failure ends this process at once (torchrun then stops the
     others) after writing why next to the result; what was measured before is already written."""
-    import os
     import sys
 
     import torch.distributed as dist
 
     from lit_parallel.commands.launch import write_result
+    from lit_parallel.reliability.groups import exit_process
 
     try:
         for one_round in results["rounds"]:  # in rounds, as the other strategies (see worker)
@@ -439,7 +439,7 @@ def _measure_pipeline(
                 f.write(why)
         print(f"lit_parallel advise --verify: pp_dp failed on rank {dist.get_rank()}: {why}", file=sys.stderr)
         sys.stderr.flush()
-        os._exit(1)
+        exit_process(1)  # aborts the communicators first: the other ranks' collectives fail at once
     if dist.get_rank() == 0:
         write_result(args.result, results)
 
