@@ -51,6 +51,7 @@ def run(tmp_path_factory):
         "compile_parity",
         "unused_on_later_step",
         "static_graph_unused_head",
+        "probe_memory",
     ]
     return launch(
         [f"tests.scenarios.ddp:{n}" for n in names], WORLD, tmp_path_factory.mktemp("ddp"), timeout=400
@@ -114,13 +115,26 @@ def test_trainer_model_is_the_ddp_wrapper_from_fit_start_under_the_probe(run):
     """Lightning's contract after configure_ddp: trainer.model is the DDP wrapper at on_fit_start, on_train_start
     and every step, also while the probe decides (find_unused_parameters reads None until then)."""
     for r in run.scenario("probe_leaves_no_trace"):
-        # all parameters used: one wrapper for the whole run
-        assert r["auto"]["seen"] == _expected_seen([None, False, False], [0, 0, 0])
+        # all parameters used: after the probe's optimizer step a new wrapper of the same LightningModule runs
+        # without DDP's unused-parameter detection (the probe's wrapper had it on)
+        assert r["auto"]["seen"] == _expected_seen([None, False, False], [0, 1, 1])
         assert r["False"]["seen"] == _expected_seen([False, False, False], [0, 0, 0])
     for r in run.scenario("unused_head"):
-        # accumulation 2: batches 0 and 1 are the probe step; unused parameters found, so after its optimizer
-        # step a new wrapper of the same LightningModule runs with find_unused_parameters=True
-        assert r["seen"] == _expected_seen([None, None, True], [0, 0, 1])
+        # accumulation 2: batches 0 and 1 are the probe step; unused parameters found, so the probe's wrapper
+        # (detection on) stays for the whole run
+        assert r["seen"] == _expected_seen([None, None, True], [0, 0, 0])
+
+
+@pytest.mark.timeout(450)
+def test_the_probe_steps_peak_memory_is_a_plain_ddp_steps(run):
+    for r in run.scenario("probe_memory"):
+        probe, plain, grads = r["auto"]["peaks"], r["False"]["peaks"], r["grad_bytes"]
+        # a plain DDP step holds the parameters, the gradients (DDP's buckets) and the momentum: 3x the gradients
+        assert plain[0] >= 3 * grads
+        # the first step (the probe, and the new wrapper built after its optimizer step), then every step
+        assert probe[0] <= 1.10 * plain[0], (probe, plain)
+        assert max(probe) <= 1.10 * max(plain), (probe, plain)
+        assert r["auto"]["find_unused"] is False
 
 
 @pytest.mark.timeout(450)
