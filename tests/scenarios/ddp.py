@@ -391,3 +391,24 @@ def probe_memory(ctx) -> dict:
         out[str(mode)] = {"peaks": peaks.peaks, "find_unused": ddp_info.info["find_unused"]}
     out["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return out
+
+
+def average_gradients_in_place(ctx) -> dict:
+    """lit_parallel.parallel.average_gradients on 2 ranks, chunks of 64 bytes: the gradients it returns (one
+    used on both ranks, one only on rank 1, one big enough to go alone, one unused) and whether they are the
+    same tensors as before (averaged in place)."""
+    from lit_parallel.parallel import average_gradients
+
+    rank = dist.get_rank()
+    params = [nn.Parameter(torch.zeros(n)) for n in (3, 5, 40, 2)]
+    params[0].grad = torch.full((3,), float(rank + 1))
+    if rank == 1:
+        params[1].grad = torch.arange(5.0)
+    params[2].grad = torch.full((40,), 2.0 * (rank + 1))
+    before = [p.grad for p in params]
+    used = average_gradients(params, chunk_bytes=64)
+    return {
+        "used": used,
+        "grads": [None if p.grad is None else p.grad.clone() for p in params],
+        "in_place": [b is not None and p.grad is b for p, b in zip(params, before)],
+    }

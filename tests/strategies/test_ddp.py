@@ -52,6 +52,7 @@ def run(tmp_path_factory):
         "unused_on_later_step",
         "static_graph_unused_head",
         "probe_memory",
+        "average_gradients_in_place",
     ]
     return launch(
         [f"tests.scenarios.ddp:{n}" for n in names], WORLD, tmp_path_factory.mktemp("ddp"), timeout=400
@@ -230,3 +231,14 @@ def test_registry_name_under_lightnings_own_launcher_matches_single_process(ligh
     out = lightning_launcher_two_ranks.scenario("parity")
     assert [r["strategy"] for r in out] == ["TunedDDPStrategy"] * WORLD
     _assert_parity(out, _reference(sc.make_net(0), steps=6, accumulate=2, clip=0.05), "lightning launcher")
+
+
+@pytest.mark.timeout(450)
+def test_average_gradients_averages_in_place_and_reports_use(run):
+    for rank, r in enumerate(run.scenario("average_gradients_in_place")):
+        assert r["used"] == [True, True, True, False]
+        torch.testing.assert_close(r["grads"][0], torch.full((3,), 1.5))  # (1 + 2) / 2
+        torch.testing.assert_close(r["grads"][1], torch.arange(5.0) / 2)  # rank 0 contributed zeros
+        torch.testing.assert_close(r["grads"][2], torch.full((40,), 3.0))  # 160 bytes: all-reduced alone
+        assert r["grads"][3] is None
+        assert r["in_place"] == [True, rank == 1, True, False]
