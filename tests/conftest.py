@@ -79,9 +79,11 @@ ADVISE_SCENARIOS = (
 
 @pytest.fixture(scope="session")
 def advise_two_ranks(tmp_path_factory) -> LaunchResult:
-    """One launch of 2 ranks for every scenario of tests/scenarios/advise.py."""
+    """One launch of 2 ranks for every scenario of tests/scenarios/advise.py, and the host synchronisations per
+    optimizer step of every strategy (``tests.scenarios.host_syncs``, tests/strategies/test_host_syncs.py)."""
     return launch(
-        [f"tests.scenarios.advise:{n}" for n in ADVISE_SCENARIOS],
+        [f"tests.scenarios.advise:{n}" for n in ADVISE_SCENARIOS]
+        + ["tests.scenarios.host_syncs:syncs_per_step"],
         2,
         tmp_path_factory.mktemp("advise"),
         timeout=300,

@@ -149,24 +149,113 @@ def no_gradient_sync(module: nn.Module) -> Iterator[None]:
 
 
 def _grad_group_key(g: torch.Tensor) -> tuple:
+    """Gradients that reduce alike: the same mesh (its dimension names and, per dimension, the ranks of this
+    rank's group: the same on every rank of the group, so every rank sorts the groups alike) and placements.
+
+    Read from the process groups, not from ``DeviceMesh.mesh``: a sub-mesh builds that tensor from the full
+    mesh with ``.item()`` calls, several host reads per gradient group and step."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(g, DTensor):
         mesh = g.device_mesh
-        return (1, str(mesh.mesh_dim_names), str(mesh.mesh.tolist()), str(g.placements))
+        ranks = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
+        return (1, str(mesh.mesh_dim_names), str(ranks), str(g.placements))
     return (0, str(g.device), "", "")
 
 
-def _local_norm(tensors: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
-    """Norm of local tensors that may sit on different devices (CPU-offloaded shards), in fp32."""
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. From the CPU without waiting (a scalar in pageable memory is staged at once);
+    to the CPU it waits for the device (only CPU-offloaded gradients need that)."""
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=t.device.type == "cpu")
+
+
+def _local_norm(
+    tensors: list[torch.Tensor], norm_type: float, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
+    """Norm of local tensors that may sit on different devices (CPU-offloaded shards), in fp32 on ``device``."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         by_device.setdefault(t.device, []).append(t)
     norms = [
-        torch.nn.utils.get_total_norm(ts, norm_type, False, foreach).float().cpu()
+        _moved(torch.nn.utils.get_total_norm(ts, norm_type, False, foreach).float(), device)
         for ts in by_device.values()
     ]
     return torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
+
+
+def _reduce_device(mesh: DeviceMesh, local: torch.device) -> torch.device:
+    """Where a DTensor group's norm is reduced: its process groups' device. The gradients' own device when
+    it is of the mesh's type (no copy); CPU-offloaded shards' norm goes to the mesh's device."""
+    return local if local.type == mesh.device_type else mesh_device(mesh)
+
+
+def _norm_device(grads: list[torch.Tensor]) -> torch.device:
+    """Where the total norm is computed and returned: the device the first DTensor gradient group reduces on
+    (the mesh's), else the first gradient's device. Never the CPU for gradients on an accelerator, so the
+    norm can go straight into another collective (``pp_dp`` combines it over the pipeline ranks) and the
+    scaling reads it without a device->host copy."""
+    from torch.distributed.tensor import DTensor
+
+    for g in grads:
+        if isinstance(g, DTensor):
+            return _reduce_device(g.device_mesh, g.to_local().device)
+    return grads[0].device
+
+
+@torch.no_grad()
+def grad_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0, foreach: bool | None = None
+) -> torch.Tensor:
+    """The total norm of the gradients of ``parameters`` (any mix of plain and DTensor gradients), an fp32
+    scalar on the gradients' device (see :func:`clip_grad_norm_`); nothing is scaled, nothing waits on the
+    host. Every rank of the gradients' meshes must call it with the same parameters."""
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        device = params[0].device if params else torch.device("cpu")
+        return torch.zeros((), dtype=torch.float32, device=device)
+    device = _norm_device(grads)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_grad_group_key(g), []).append(g)
+    inf = norm_type == float("inf")
+    norms = []
+    for key in sorted(groups):
+        members = groups[key]
+        if not isinstance(members[0], DTensor):
+            norms.append(_local_norm(members, norm_type, foreach, device))
+            continue
+        mesh, placements = members[0].device_mesh, members[0].placements
+        local = [g.to_local() for g in members]
+        on = _reduce_device(mesh, local[0].device)
+        norm = _local_norm(local, norm_type, foreach, on)
+        value = norm if inf else norm**norm_type
+        for dim, placement in enumerate(placements):
+            # every split dimension is summed: Shard, and FSDP's _StridedShard for TP-split weights
+            if not placement.is_replicate():
+                op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        norms.append(_moved(value if inf else value ** (1.0 / norm_type), device))
+    return torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
+
+
+@torch.no_grad()
+def scale_grads_(parameters: Iterable[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient (a DTensor's local shard) by ``coef`` in place, one kernel per device; ``coef``
+    is copied once per other device (to the CPU for CPU-offloaded gradients: the only wait on the device)."""
+    from torch.distributed.tensor import DTensor
+
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            t = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_device.setdefault(t.device, []).append(t)
+    for dev, ts in by_device.items():
+        foreach_mul_(ts, _moved(coef, dev))
 
 
 @torch.no_grad()
@@ -184,50 +273,22 @@ def clip_grad_norm_(
     not summed), so gradients on different meshes (TP + FSDP) combine correctly; the group norms
     combine into the global norm, and every gradient (its local shard) is scaled in place. Works with
     CPU-offloaded shards. Every rank must call it with the same parameters: it communicates once per
-    sharded mesh dimension of each DTensor group. Returns the total norm (on the CPU).
-    """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    sharded mesh dimension of each DTensor group.
 
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(_grad_group_key(g), []).append(g)
-    inf = norm_type == float("inf")
-    norms = []
-    for key in sorted(groups):
-        members = groups[key]
-        norm = _local_norm(
-            [g.to_local() if isinstance(g, DTensor) else g for g in members], norm_type, foreach
-        )
-        if isinstance(members[0], DTensor):
-            mesh, placements = members[0].device_mesh, members[0].placements
-            value = norm if inf else norm**norm_type
-            value = value.to(mesh_device(mesh))
-            for dim, placement in enumerate(placements):
-                # every split dimension is summed: Shard, and FSDP's _StridedShard for TP-split weights
-                if not placement.is_replicate():
-                    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-                    dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-            norm = (value if inf else value ** (1.0 / norm_type)).cpu()
-        norms.append(norm)
-    total = torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
+    Returns the total norm, an fp32 scalar on the gradients' device (the mesh's device for DTensor
+    gradients, also when they are offloaded to the CPU), as torch's does: it can be handed to a collective
+    of the mesh's process groups, and neither computing nor applying it waits on the host (unless
+    ``error_if_nonfinite``, which must read it, or CPU-offloaded gradients, which are scaled on the CPU).
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    total = grad_norm(params, norm_type, foreach)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients is non-finite ({total.item()}); set"
             " error_if_nonfinite=False to scale them anyway"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        t = g.to_local() if isinstance(g, DTensor) else g
-        by_device.setdefault(t.device, []).append(t)
-    for dev, ts in by_device.items():
-        foreach_mul_(ts, coef.to(dev))
+    scale_grads_(params, coef)
     return total
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
+import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -28,7 +30,7 @@ from lit_parallel.parallel.ddp.buckets import (
     needs_single_bucket,
     single_bucket_plan,
 )
-from lit_parallel.parallel.ddp.comm_hooks import average_gradients, build_comm_hook, validate_comm_hook
+from lit_parallel.parallel.ddp.comm_hooks import build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
 from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.reliability.stall import StallTimeout
@@ -80,13 +82,14 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
             and the memory of one gradient set). Default ``True``.
         find_unused_parameters: ``"auto"`` (default) makes the first optimizer step the probe: the model
             is DDP-wrapped as usual (``trainer.model`` is the ``DistributedDataParallel`` module from
-            ``on_fit_start`` on), the probe step runs with DDP's gradient sync off (as in ``no_sync``),
-            its gradients are averaged across ranks by hand exactly as DDP would, and the parameters that
-            got no gradient on any rank decide. No extra forward or backward is run, so parameters,
-            buffers, optimizer, metrics and RNG states evolve exactly as with a fixed setting. If every
-            trainable parameter is used, DDP keeps ``find_unused_parameters=False``; otherwise the unused
-            names are logged and, after the probe's optimizer step, a new DDP wrapper of the same module runs with
-            detection on. ``True``/``False`` override. The probe cannot see parameters used only on some
+            ``on_fit_start`` on), with DDP's own unused-parameter detection on for that step (DDP averages
+            the gradients as always, in its buckets: no extra memory), and the parameters DDP left without
+            a gradient (none on any rank) decide. No extra forward or backward is run, so parameters,
+            buffers, optimizer, metrics and RNG states evolve exactly as with a fixed setting. If some
+            trainable parameter is unused, the names are logged and that wrapper stays; if every one is used,
+            a new DDP wrapper of the same module with ``find_unused_parameters=False`` replaces it after the
+            probe's optimizer step (the old wrapper and the step's gradients are released first, as the
+            next ``zero_grad`` would, so two sets of buckets never coexist). ``True``/``False`` override. The probe cannot see parameters used only on some
             steps: such a model fails with an error that names the fix (``find_unused_parameters=True``).
             Manual optimization and ``static_graph=True`` (which finds unused parameters itself) skip the
             probe (``False``).
@@ -250,14 +253,11 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
             probe = False
         # The model is DDP-wrapped here in every case (Lightning's contract: ``trainer.model`` is the
         # DistributedDataParallel module from ``on_fit_start`` on).
-        self._wrap(find_unused=self._find_unused is True)  # "auto" without a probe, and the probe: False
-        if probe:
-            # The first optimizer step is the probe: DDP's gradient sync is off for it (as in ``no_sync``),
-            # its gradients are averaged by hand exactly as DDP would and show which parameters training
-            # uses; no extra forward or backward runs.
-            assert isinstance(self.model, DistributedDataParallel)
-            self.model.require_backward_grad_sync = False
-            self._probing = True
+        # The probe: the first optimizer step runs under DDP's own unused-parameter detection, which averages
+        # the gradients in DDP's buckets as always and leaves those of parameters no rank used unset; no extra
+        # forward or backward runs, and no memory beyond a plain DDP step's.
+        self._wrap(find_unused=self._find_unused is True or probe)
+        self._probing = probe
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -266,17 +266,10 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
         if not self._probing or trainer is None or _compat.should_accumulate(trainer):
             return
         self._probing = False
-        assert isinstance(self.model, DistributedDataParallel)
-        # what DDP would have set after a synchronised forward: sync again from the next step on
-        self.model.require_backward_grad_sync = True
-        self.model.require_forward_param_sync = True
-        lm = self.lightning_module
-        named = [(n, p) for n, p in lm.named_parameters() if p.requires_grad]
-        used = average_gradients([p for _, p in named])
-        self.unused_parameters = [n for (n, _), u in zip(named, used) if not u]
+        named = [(n, p) for n, p in self.lightning_module.named_parameters() if p.requires_grad]
+        # DDP (find_unused_parameters=True) set every gradient some rank produced; the same on every rank
+        self.unused_parameters = [n for n, p in named if p.grad is None]
         if self.unused_parameters:
-            # DDP's find_unused_parameters is fixed when it is built: a new wrapper after this optimizer step
-            self._wrap_next_batch = True
             shown = ", ".join(self.unused_parameters[:20])
             if len(self.unused_parameters) > 20:
                 shown += f" and {len(self.unused_parameters) - 20} more"
@@ -286,6 +279,8 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
                 " running DDP with find_unused_parameters=True"
             )
         else:
+            # detection costs a graph traversal per step: a new wrapper without it after this optimizer step
+            self._wrap_next_batch = False
             info(
                 "ddp_tuned: the first training step used every trainable parameter: find_unused_parameters=False"
             )
@@ -304,9 +299,31 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
     def _rewrap_if_decided(self) -> None:
         if self._wrap_next_batch is not None:
             find_unused, self._wrap_next_batch = self._wrap_next_batch, None
+            self._release_wrapper()
             # every rank already holds the same states: no broadcast at construction (it would overwrite
             # per-rank buffers kept with forward_sync_buffers=False)
             self._wrap(find_unused=find_unused, init_sync=False)
+
+    def _release_wrapper(self) -> None:
+        """Free the DDP wrapper's buckets before a new one allocates its own: drop the wrapper and the
+        gradients (views into its buckets; the optimizer step that needed them is done, and the next
+        ``zero_grad`` would drop them). Otherwise old and new buckets coexist: twice the gradient memory."""
+        assert isinstance(self.model, DistributedDataParallel)
+        module = self.model.module
+        for p in module.parameters():
+            p.grad = None
+        self.model = module
+        gc.collect()  # DDP's reducer and its hooks hold references in cycles
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._probing:
+            return super().training_step(*args, **kwargs)
+        # DDP's advice to drop find_unused_parameters=True when every parameter is used is what the probe acts
+        # on by itself after this step
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified")
+            return super().training_step(*args, **kwargs)
 
     @override
     def teardown(self) -> None:

@@ -260,6 +260,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             load_full_state_dict_into_stages(self.model, self._init_from if self.global_rank == 0 else None)
             info(f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the stages")
         self.precision_plugin.pp_group = self._pp_group()  # type: ignore[attr-defined]
+        self.precision_plugin.pp_device = self.root_device  # type: ignore[attr-defined]
 
     def _pp_group(self) -> Any:
         return self.parallel_dims.mesh["pipeline_parallel"].get_group()
@@ -298,8 +299,13 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             self.precision_plugin.train_step_context() if train else self.precision_plugin.val_step_context()
         ):
             loss = self._run(batch, train)
-        # equal on every rank already; sync_dist for evaluation only silences Lightning's epoch-level warning
-        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=not train)
+        # equal on every rank already; sync_dist for evaluation only silences Lightning's epoch-level warning.
+        # In the progress bar only when there is one: Lightning reads every prog_bar value on the host after
+        # each batch (a device sync per step), shown or not.
+        trainer = self.lightning_module.trainer
+        self.lightning_module.log(
+            name, loss, prog_bar=trainer.progress_bar_callback is not None, sync_dist=not train
+        )
         return loss
 
     @override

@@ -352,3 +352,63 @@ def unused_on_later_step(ctx) -> dict:
     except RuntimeError as err:
         return {"error": str(err)}
     return {"error": None}
+
+
+class _StepPeaks(L.Callback):
+    """Peak live bytes of each training batch (from its start to its end: the probe's optimizer step and the
+    new wrapper it builds included), counted by a :class:`LiveMemory` open around the whole fit (so DDP's
+    buckets, made when the model is wrapped, are counted)."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+        self.peaks: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lit_parallel.measure.live_memory import MemoryPeak
+
+        self.tracker.peak = MemoryPeak(self.tracker.snapshot().total)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.peaks.append(self.tracker.peak.total)
+
+
+def probe_memory(ctx) -> dict:
+    """Peak bytes per step of ddp_tuned with the probe (find_unused_parameters="auto") and without it (False:
+    a plain DDP step from the start), on a model whose gradients dominate (activations are tiny), SGD with
+    momentum; plus the gradient bytes, for scale."""
+    from lit_parallel.measure.live_memory import LiveMemory
+
+    out = {}
+    for mode in ("auto", False):
+        model = NetModule(make_net(0, hidden=256, depth=4))
+        model.configure_optimizers = lambda m=model: torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9)
+        tracker, ddp_info = LiveMemory(model), _DDPInfo()
+        peaks = _StepPeaks(tracker)
+        strategy = TunedDDPStrategy(find_unused_parameters=mode)
+        trainer = make_trainer(ctx, strategy, max_steps=2, callbacks=[peaks, ddp_info])
+        with tracker:
+            trainer.fit(model, DataLoader(make_dataset(), batch_size=4))
+        out[str(mode)] = {"peaks": peaks.peaks, "find_unused": ddp_info.info["find_unused"]}
+    out["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return out
+
+
+def average_gradients_in_place(ctx) -> dict:
+    """lit_parallel.parallel.average_gradients on 2 ranks, chunks of 64 bytes: the gradients it returns (one
+    used on both ranks, one only on rank 1, one big enough to go alone, one unused) and whether they are the
+    same tensors as before (averaged in place)."""
+    from lit_parallel.parallel import average_gradients
+
+    rank = dist.get_rank()
+    params = [nn.Parameter(torch.zeros(n)) for n in (3, 5, 40, 2)]
+    params[0].grad = torch.full((3,), float(rank + 1))
+    if rank == 1:
+        params[1].grad = torch.arange(5.0)
+    params[2].grad = torch.full((40,), 2.0 * (rank + 1))
+    before = [p.grad for p in params]
+    used = average_gradients(params, chunk_bytes=64)
+    return {
+        "used": used,
+        "grads": [None if p.grad is None else p.grad.clone() for p in params],
+        "in_place": [b is not None and p.grad is b for p, b in zip(params, before)],
+    }

@@ -51,6 +51,8 @@ def run(tmp_path_factory):
         "compile_parity",
         "unused_on_later_step",
         "static_graph_unused_head",
+        "probe_memory",
+        "average_gradients_in_place",
     ]
     return launch(
         [f"tests.scenarios.ddp:{n}" for n in names], WORLD, tmp_path_factory.mktemp("ddp"), timeout=400
@@ -114,13 +116,26 @@ def test_trainer_model_is_the_ddp_wrapper_from_fit_start_under_the_probe(run):
     """Lightning's contract after configure_ddp: trainer.model is the DDP wrapper at on_fit_start, on_train_start
     and every step, also while the probe decides (find_unused_parameters reads None until then)."""
     for r in run.scenario("probe_leaves_no_trace"):
-        # all parameters used: one wrapper for the whole run
-        assert r["auto"]["seen"] == _expected_seen([None, False, False], [0, 0, 0])
+        # all parameters used: after the probe's optimizer step a new wrapper of the same LightningModule runs
+        # without DDP's unused-parameter detection (the probe's wrapper had it on)
+        assert r["auto"]["seen"] == _expected_seen([None, False, False], [0, 1, 1])
         assert r["False"]["seen"] == _expected_seen([False, False, False], [0, 0, 0])
     for r in run.scenario("unused_head"):
-        # accumulation 2: batches 0 and 1 are the probe step; unused parameters found, so after its optimizer
-        # step a new wrapper of the same LightningModule runs with find_unused_parameters=True
-        assert r["seen"] == _expected_seen([None, None, True], [0, 0, 1])
+        # accumulation 2: batches 0 and 1 are the probe step; unused parameters found, so the probe's wrapper
+        # (detection on) stays for the whole run
+        assert r["seen"] == _expected_seen([None, None, True], [0, 0, 0])
+
+
+@pytest.mark.timeout(450)
+def test_the_probe_steps_peak_memory_is_a_plain_ddp_steps(run):
+    for r in run.scenario("probe_memory"):
+        probe, plain, grads = r["auto"]["peaks"], r["False"]["peaks"], r["grad_bytes"]
+        # a plain DDP step holds the parameters, the gradients (DDP's buckets) and the momentum: 3x the gradients
+        assert plain[0] >= 3 * grads
+        # the first step (the probe, and the new wrapper built after its optimizer step), then every step
+        assert probe[0] <= 1.10 * plain[0], (probe, plain)
+        assert max(probe) <= 1.10 * max(plain), (probe, plain)
+        assert r["auto"]["find_unused"] is False
 
 
 @pytest.mark.timeout(450)
@@ -216,3 +231,14 @@ def test_registry_name_under_lightnings_own_launcher_matches_single_process(ligh
     out = lightning_launcher_two_ranks.scenario("parity")
     assert [r["strategy"] for r in out] == ["TunedDDPStrategy"] * WORLD
     _assert_parity(out, _reference(sc.make_net(0), steps=6, accumulate=2, clip=0.05), "lightning launcher")
+
+
+@pytest.mark.timeout(450)
+def test_average_gradients_averages_in_place_and_reports_use(run):
+    for rank, r in enumerate(run.scenario("average_gradients_in_place")):
+        assert r["used"] == [True, True, True, False]
+        torch.testing.assert_close(r["grads"][0], torch.full((3,), 1.5))  # (1 + 2) / 2
+        torch.testing.assert_close(r["grads"][1], torch.arange(5.0) / 2)  # rank 0 contributed zeros
+        torch.testing.assert_close(r["grads"][2], torch.full((40,), 3.0))  # 160 bytes: all-reduced alone
+        assert r["grads"][3] is None
+        assert r["in_place"] == [True, rank == 1, True, False]

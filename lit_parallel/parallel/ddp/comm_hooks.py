@@ -64,28 +64,58 @@ def build_comm_hook(
     return state, powerSGD_hook.powerSGD_hook
 
 
-def average_gradients(params: Sequence[torch.Tensor], group=None) -> list[bool]:
+# most bytes average_gradients copies into one flat all-reduce (DDP's default bucket size)
+AVERAGE_CHUNK_BYTES = 25 * 2**20
+
+
+def average_gradients(
+    params: Sequence[torch.Tensor], group=None, chunk_bytes: int = AVERAGE_CHUNK_BYTES
+) -> list[bool]:
     """All-reduce ``.grad`` of ``params`` to their mean over ranks, exactly as DDP does; report use.
 
     A parameter counts as used when any rank produced a gradient for it; ranks without one contribute
     zeros. Parameters no rank used keep ``grad=None`` (as under DDP's ``find_unused_parameters``).
     Returns, per parameter, whether any rank used it. Like DDP, gradients are divided by the world
-    size before they are summed.
+    size before they are summed. The gradients are averaged in place: small ones through one flat buffer
+    of at most ``chunk_bytes`` at a time, larger ones each on its own, so the memory beyond the gradients
+    is at most one chunk (plus the zeros a rank without a gradient receives into, which become its gradient).
     """
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
     used = torch.tensor([float(p.grad is not None) for p in params], device=device)
     dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
     used_any = [bool(u) for u in used.tolist()]
-    live = [p for p, u in zip(params, used_any) if u]
-    if live:
-        world = dist.get_world_size(group)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])
-        flat.div_(world)
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for p in live:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+    world = dist.get_world_size(group)
+    chunk: list[torch.Tensor] = []
+    for p, u in zip(params, used_any):
+        if not u:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        grad.div_(world)
+        if grad.numel() * grad.element_size() >= chunk_bytes or not grad.is_contiguous():
+            dist.all_reduce(grad, group=group)
+            continue
+        if chunk and (
+            chunk[0].dtype != grad.dtype
+            or chunk[0].device != grad.device
+            or sum(g.numel() for g in chunk) * grad.element_size() + grad.numel() * grad.element_size()
+            > chunk_bytes
+        ):
+            _all_reduce_flat(chunk, group)
+            chunk = []
+        chunk.append(grad)
+    if chunk:
+        _all_reduce_flat(chunk, group)
     return used_any
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group: Any) -> None:
+    """Sum ``grads`` over ``group`` through one flat buffer, written back into them."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lit_parallel.parallel.fsdp import apply_fsdp, clip_grad_norm_
+from lit_parallel.parallel.fsdp import apply_fsdp, grad_norm, scale_grads_
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_owned, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import apply_activation_checkpointing
@@ -199,20 +199,31 @@ def step_mean_loss(local: torch.Tensor | None, dims: ParallelDims, device: torch
 
 @torch.no_grad()
 def clip_grad_norm_across_stages(
-    parameters: Iterable[torch.Tensor], max_norm: float, group: Any, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    group: Any,
+    norm_type: float = 2.0,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Clip by one global norm over every stage: each rank's stage norm (reduced over its data- and
-    tensor-parallel shards) is combined over the pipeline ranks, then every gradient is scaled."""
-    parameters = [p for p in parameters if p.grad is not None]
-    # max_norm=inf: the norm of this rank's stages, no scaling (the coefficient is clamped to 1)
-    local = clip_grad_norm_(parameters, float("inf"), norm_type)
-    value = (local.double() ** norm_type).reshape(1)
-    dist.all_reduce(value, group=group)
-    total = value[0] ** (1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
-    from torch.distributed.tensor import DTensor
+    tensor-parallel shards) is combined over the pipeline ranks, then every gradient is scaled.
 
-    for p in parameters:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        g.mul_(coef.to(g.device))
+    Everything stays on the gradients' device: the stage norm comes back there, the pipeline all-reduce
+    runs there (NCCL refuses CPU tensors), and the scale is applied there, copied once per other device
+    (CPU-offloaded gradients), never once per parameter. Returns the total norm (fp32, on that device).
+
+    Args:
+        group: the pipeline-parallel process group.
+        device: the group's device, for a rank whose stages have no gradient (default: the gradients').
+    """
+    parameters = list(parameters)
+    local = grad_norm(parameters, norm_type)
+    if device is not None:
+        local = local.to(device, non_blocking=local.device.type == "cpu")
+    inf = norm_type == float("inf")
+    # float64: the p-th powers of the stage norms are summed
+    value = (local.double() if inf else local.double() ** norm_type).reshape(1)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    total = value[0] if inf else value[0] ** (1.0 / norm_type)
+    scale_grads_(parameters, torch.clamp(max_norm / (total + 1e-6), max=1.0).float())
     return total.float()

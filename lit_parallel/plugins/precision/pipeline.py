@@ -15,9 +15,15 @@ class PipelineClipping:
     """Clipping by one norm over every stage (each rank holds only its stages' gradients)."""
 
     pp_group: Any = None
+    pp_device: torch.device | None = None  # the pipeline group's device (the strategy's root device)
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_across_stages(self.main_params(optimizer), clip_val, self.pp_group)  # type: ignore[attr-defined]
+        clip_grad_norm_across_stages(
+            self.main_params(optimizer),  # type: ignore[attr-defined]
+            clip_val,
+            self.pp_group,
+            device=self.pp_device,
+        )
 
 
 class PipelinePrecision(PipelineClipping, FSDPPrecision):
