@@ -91,7 +91,6 @@ class GPTModule(L.LightningModule):
             self.model = GPT(cfg)
         self.losses: list[torch.Tensor] = []
         self.micro_losses: list[torch.Tensor] = []  # under pp_dp, which calls pipeline_loss per micro-batch
-        self.microbatches = 1
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -100,6 +99,13 @@ class GPTModule(L.LightningModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.micro_losses.clear()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.micro_losses:  # pp_dp: the step's loss is the mean of its (equal) micro-batches' losses
+            self.losses.append(torch.stack(self.micro_losses).mean())
 
     def training_step(self, batch, batch_idx):
         loss = lm_loss(self.model(batch[0]), batch[1])
@@ -115,11 +121,7 @@ class GPTModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
     def loss_values(self) -> list[float]:
-        """One loss per step: under pp_dp the mean of its (equal) micro-batches' losses."""
-        if self.losses:
-            return [float(x) for x in self.losses]
-        m = self.microbatches
-        return [float(sum(self.micro_losses[i : i + m]) / m) for i in range(0, len(self.micro_losses), m)]
+        return [float(x) for x in self.losses]
 
 
 def trainer(where: Where, **kwargs: Any) -> L.Trainer:
