@@ -38,7 +38,7 @@ _DDP_SET_BY_STRATEGY = {
 _LIGHTNING_DDP_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _DDP_BOOL_FLAGS = ("init_sync", "check_reduction", "skip_all_reduce_unused_params", "batched_grad_copy")
 # DistributedDataParallel arguments younger than the oldest supported torch -> their _compat feature
-_NEWER_DDP_ARGUMENTS = {"batched_grad_copy": "ddp_batched_grad_copy"}
+NEWER_DDP_ARGUMENTS = {"batched_grad_copy": "ddp_batched_grad_copy"}
 
 
 def unknown_argument(owner: str, name: str, value: Any, valid: Iterable[str]) -> ValueError:
@@ -171,7 +171,7 @@ def check_ddp_kwargs(owner: str, kwargs: dict[str, Any], own_names: Iterable[str
     for name in _DDP_SET_BY_STRATEGY:
         if name in kwargs and kwargs[name] is None:  # DDP's own default, which LightningCLI fills in
             del kwargs[name]
-    for name, feature in _NEWER_DDP_ARGUMENTS.items():
+    for name, feature in NEWER_DDP_ARGUMENTS.items():
         if name in kwargs and not _compat.has_feature(feature):  # an older torch: drop it, say what is lost
             check_bool(name, kwargs[name])
             if kwargs.pop(name):
