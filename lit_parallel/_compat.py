@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-CHECKED = "torch 2.13.0, lightning 2.6.6"
+CHECKED = "torch 2.11.0, 2.13.0 and 2.14.1, lightning 2.6.6"
 
 
 @dataclass(frozen=True)
