@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-CHECKED = "torch 2.13.0, lightning 2.6.6"
+CHECKED = "torch 2.11.0, 2.13.0 and 2.14.1, lightning 2.6.6"
 
 
 @dataclass(frozen=True)
@@ -388,6 +390,151 @@ def __getattr__(name: str) -> Any:
     value = check(name)
     globals()[name] = value
     return value
+
+
+# --- torch features by version ---------------------------------------------------------------------------
+# Supported: torch 2.11 up to the newest release (docs/compatibility.md, "Tested versions"). Public torch names
+# and arguments younger than the oldest supported torch are entries of FEATURES: the code asks has_feature()
+# and takes another path on an older torch, never failing to import. Where that path gives up something,
+# log_degraded() says so once per process (rank 0), naming the torch version that has the feature.
+
+OLDEST_TORCH = "2.11"
+
+
+@dataclass(frozen=True)
+class Feature:
+    """``since``: the first torch release with ``name``; ``older``: what the package does without it (the log
+    line); ``lost``: whether that path gives something up (then :func:`log_degraded` logs it, else nothing)."""
+
+    name: str
+    since: str
+    older: str
+    lost: bool
+    probe: Callable[[], bool]
+
+
+def _ddp_takes(argument: str) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return argument in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _torch_at_least(version: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        import torch
+
+        return torch.__version__ >= version  # TorchVersion compares release numbers, not strings
+
+    return probe
+
+
+def _c10d_has(name: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        import torch.distributed as dist
+
+        return hasattr(dist, name)
+
+    return probe
+
+
+FEATURES: dict[str, Feature] = {
+    "ddp_forward_sync_buffers": Feature(
+        "DistributedDataParallel(forward_sync_buffers=)",
+        "2.13",
+        "ddp_tuned builds DDP with buffers synced at construction and then sets its broadcast_buffers"
+        " attribute, which older DDP reads before each forward: the same behaviour",
+        lost=False,
+        probe=lambda: _ddp_takes("forward_sync_buffers"),
+    ),
+    "ddp_batched_grad_copy": Feature(
+        "DistributedDataParallel(batched_grad_copy=)",
+        "2.12",
+        "batched_grad_copy=True is ignored: DDP copies each gradient into its bucket one parameter at a time",
+        lost=True,
+        probe=lambda: _ddp_takes("batched_grad_copy"),
+    ),
+    "pipelining_integer_tensors": Feature(
+        "torch.distributed.pipelining: integer tensors between stages",
+        "2.13",
+        "pp_dp sends the integer inputs (token ids) that later stages read as floating tensors of the same"
+        " bytes (1-byte types as float32) and sends zero gradients of that size back for them",
+        lost=True,
+        probe=_torch_at_least("2.13"),
+    ),
+    "pipelining_mode_switch": Feature(
+        "torch.distributed.pipelining: a schedule that runs eval() and then step()",
+        "2.12",
+        "pp_dp builds separate torch pipeline stages for training and for evaluation (one more set of"
+        " receive buffers), since an older stage first run by eval() has receive buffers without gradients",
+        lost=True,
+        probe=_torch_at_least("2.12"),
+    ),
+    "c10d_single_collectives": Feature(
+        "torch.distributed.all_gather_single / reduce_scatter_single",
+        "2.13",
+        "nothing to replace: an older FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor, which the"
+        " collective counters and wait timers measure instead",
+        lost=False,
+        probe=_c10d_has("all_gather_single"),
+    ),
+}
+
+# has_feature() answers from here first: tests force a feature off to run the older path on a newer torch
+_FORCED: dict[str, bool] = {}
+_PROBED: dict[str, bool] = {}
+_LOGGED: set[str] = set()
+
+
+def has_feature(key: str) -> bool:
+    """Whether the installed torch has feature ``key`` of :data:`FEATURES` (probed once)."""
+    feature = FEATURES[key]  # KeyError names an unknown feature
+    if key in _FORCED:
+        return _FORCED[key]
+    if key not in _PROBED:
+        _PROBED[key] = feature.probe()
+    return _PROBED[key]
+
+
+def _global_rank() -> int:
+    import os
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for variable in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):  # Lightning's order
+        if variable in os.environ:
+            return int(os.environ[variable])
+    return 0
+
+
+def degraded_message(key: str) -> str:
+    import torch
+
+    feature = FEATURES[key]
+    return (
+        f"lit_parallel: torch {torch.__version__} lacks {feature.name} (torch {feature.since} and later have"
+        f" it): {feature.older}"
+    )
+
+
+def log_degraded(key: str) -> None:
+    """Say once per process, on rank 0, what is given up without feature ``key`` (a WARNING)."""
+    if key in _LOGGED or not FEATURES[key].lost:
+        return
+    _LOGGED.add(key)
+    if _global_rank() == 0:
+        logging.getLogger("lit_parallel").warning(degraded_message(key))
+
+
+def set_forward_sync_buffers(ddp: Any, value: bool) -> None:
+    """``DistributedDataParallel(forward_sync_buffers=value)`` on a torch without that argument: ``ddp`` was
+    built with buffers synced at construction (the default); older DDP reads ``broadcast_buffers`` before
+    each forward."""
+    if has_feature("ddp_forward_sync_buffers"):
+        ddp.forward_sync_buffers = value
+    else:
+        ddp.broadcast_buffers = value
 
 
 # --- accessors -------------------------------------------------------------------------------------------

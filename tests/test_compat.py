@@ -125,3 +125,121 @@ def test_only_compat_imports_private_torch_or_lightning_names():
     assert not offenders, "private torch / Lightning names outside lit_parallel/_compat.py:\n" + "\n".join(
         f"  {module}: {'; '.join(uses)}" for module, uses in offenders.items()
     )
+
+
+# --- torch features by version: has_feature, and the one log line of what an older torch loses ----------
+
+
+def test_every_feature_is_younger_than_the_oldest_supported_torch_and_says_what_an_older_one_does():
+    for key, feature in _compat.FEATURES.items():
+        assert feature.name and feature.older, key
+        assert tuple(map(int, feature.since.split("."))) > tuple(map(int, _compat.OLDEST_TORCH.split("."))), (
+            key
+        )
+
+
+@pytest.mark.parametrize("key", sorted(_compat.FEATURES))
+def test_the_installed_torch_has_a_feature_exactly_when_its_release_is_at_least_the_features(key):
+    # the probes look at torch itself (a signature, an attribute); the release numbers are the docs' claim
+    import torch
+
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    since = tuple(int(p) for p in _compat.FEATURES[key].since.split("."))
+    assert _compat.FEATURES[key].probe() is (release >= since), (key, torch.__version__)
+
+
+@pytest.fixture
+def older_torch(monkeypatch, caplog):
+    """Force features off (as on torch 2.11) with a fresh once-per-process log; yields a function doing so."""
+    monkeypatch.setattr(_compat, "_FORCED", {})
+    monkeypatch.setattr(_compat, "_LOGGED", set())
+    for variable in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    caplog.set_level("INFO", logger="lit_parallel")
+
+    def force_off(*keys: str) -> None:
+        _compat._FORCED.update(dict.fromkeys(keys, False))
+
+    return force_off
+
+
+def _lacks_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()]
+
+
+def test_a_lost_feature_is_logged_once_naming_the_torch_that_has_it(older_torch, caplog):
+    import torch
+
+    older_torch("ddp_batched_grad_copy")
+    assert _compat.has_feature("ddp_batched_grad_copy") is False
+    for _ in range(3):
+        _compat.log_degraded("ddp_batched_grad_copy")
+    assert _lacks_lines(caplog) == [
+        f"lit_parallel: torch {torch.__version__} lacks DistributedDataParallel(batched_grad_copy=) (torch 2.12"
+        " and later have it): batched_grad_copy=True is ignored: DDP copies each gradient into its bucket one"
+        " parameter at a time"
+    ]
+    assert [r.levelname for r in caplog.records if "lacks" in r.getMessage()] == ["WARNING"]
+
+
+def test_only_rank_zero_logs_and_a_feature_replaced_exactly_is_not_logged(older_torch, caplog, monkeypatch):
+    older_torch("pipelining_integer_tensors", "ddp_forward_sync_buffers")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    _compat.log_degraded("pipelining_integer_tensors")
+    _compat.log_degraded("ddp_forward_sync_buffers")  # lost=False: the same behaviour, nothing to say
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    _compat.log_degraded("ddp_forward_sync_buffers")
+    assert _lacks_lines(caplog) == []
+
+
+def test_an_unknown_feature_is_a_key_error():
+    with pytest.raises(KeyError):
+        _compat.has_feature("ddp_no_such_thing")
+
+
+def test_batched_grad_copy_on_a_torch_without_it_is_dropped_with_the_line_and_ddp_still_builds(
+    older_torch, caplog
+):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lit_parallel import TunedDDPStrategy
+
+    older_torch("ddp_batched_grad_copy")
+    strategy = TunedDDPStrategy(batched_grad_copy=True, check_reduction=False)
+    assert (
+        "batched_grad_copy" not in strategy._ddp_kwargs and strategy._ddp_kwargs["check_reduction"] is False
+    )
+    assert len(_lacks_lines(caplog)) == 1 and "batched_grad_copy" in _lacks_lines(caplog)[0]
+    TunedDDPStrategy(batched_grad_copy=False)  # the default: nothing lost, nothing said
+    TunedDDPStrategy(batched_grad_copy=True)  # said once per process
+    assert len(_lacks_lines(caplog)) == 1
+    with pytest.raises(ValueError, match=r"batched_grad_copy='yes' must be True or False"):
+        TunedDDPStrategy(batched_grad_copy="yes")
+    # the arguments left build DDP (a real one-rank gloo group)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 2), **strategy._ddp_kwargs)
+        ddp(torch.ones(1, 2)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_forward_sync_buffers_without_the_ddp_argument_sets_the_flag_ddp_reads_before_each_forward(
+    older_torch,
+):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    older_torch("ddp_forward_sync_buffers")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for value in (False, True):
+            ddp = DistributedDataParallel(torch.nn.BatchNorm1d(2))  # buffers synced at construction
+            _compat.set_forward_sync_buffers(ddp, value)
+            assert ddp.will_sync_module_buffers() is value
+            ddp(torch.randn(4, 2))
+    finally:
+        dist.destroy_process_group()

@@ -19,6 +19,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from lit_parallel import _compat
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityOptions
 from lit_parallel.reliability.options import check_stall_timeout_fits
 from lit_parallel.reliability.stall import StallTimeout
@@ -37,6 +38,8 @@ _DDP_SET_BY_STRATEGY = {
 # DDPStrategy's own arguments that TunedDDPStrategy takes through **kwargs (Lightning consumes them).
 _LIGHTNING_DDP_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _DDP_BOOL_FLAGS = ("init_sync", "check_reduction", "skip_all_reduce_unused_params", "batched_grad_copy")
+# DistributedDataParallel arguments younger than the oldest supported torch -> their _compat feature
+NEWER_DDP_ARGUMENTS = {"batched_grad_copy": "ddp_batched_grad_copy"}
 
 
 def unknown_argument(owner: str, name: str, value: Any, valid: Iterable[str]) -> ValueError:
@@ -173,6 +176,11 @@ def check_ddp_kwargs(owner: str, kwargs: dict[str, Any], own_names: Iterable[str
     for name in _DDP_SET_BY_STRATEGY:
         if name in kwargs and kwargs[name] is None:  # DDP's own default, which LightningCLI fills in
             del kwargs[name]
+    for name, feature in NEWER_DDP_ARGUMENTS.items():
+        if name in kwargs and not _compat.has_feature(feature):  # an older torch: drop it, say what is lost
+            check_bool(name, kwargs[name])
+            if kwargs.pop(name):
+                _compat.log_degraded(feature)
     ddp_params = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
     lightning_params = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
     for name, value in kwargs.items():

@@ -396,8 +396,9 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
         kwargs["gradient_as_bucket_view"] = self._gradient_as_bucket_view
         kwargs["find_unused_parameters"] = find_unused
         kwargs["static_graph"] = self._static_graph
-        if self._forward_sync_buffers is not None:
-            kwargs["forward_sync_buffers"] = self._forward_sync_buffers
+        sync_buffers = self._forward_sync_buffers
+        if sync_buffers is not None and _compat.has_feature("ddp_forward_sync_buffers"):
+            kwargs["forward_sync_buffers"] = sync_buffers
         self._ddp_kwargs = kwargs
         module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
         if init_sync is None:
@@ -408,6 +409,8 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
                 self.model = self._setup_model(module)
             finally:
                 self._ddp_kwargs = kwargs
+        if sync_buffers is not None and not _compat.has_feature("ddp_forward_sync_buffers"):
+            _compat.set_forward_sync_buffers(self.model, sync_buffers)  # torch < 2.13
         self._register_ddp_hooks()
 
     @override

@@ -26,6 +26,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lit_parallel import _compat
 from lit_parallel._logging import info
 from lit_parallel.checkpoint.load import verify_checkpoint
 from lit_parallel.parallel.blocks import find_transformer_blocks
@@ -282,7 +283,11 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         split = getattr(module, "pipeline_split_batch", None)
         inputs, targets = split(batch) if callable(split) else _default_split_batch(batch)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        self.pipeline = self._pipeline_for(_shapes(inputs, targets, self._microbatches))
+        key = _shapes(inputs, targets, self._microbatches)
+        if not _compat.has_feature("pipelining_mode_switch"):  # torch < 2.12: one pipeline per mode too
+            _compat.log_degraded("pipelining_mode_switch")
+            key = (*key, train)
+        self.pipeline = self._pipeline_for(key)
         # gradients of the step's mean loss, divided by the accumulation as Lightning does with a returned loss
         accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
         self._loss_scale = 1.0 / (self._microbatches * accumulate)

@@ -119,6 +119,7 @@ class Pipeline:
         target = targets if self.holds_last else None
         for stage in self.stages:
             stage.reset_counters()
+            stage.input_dtypes = tuple(i.dtype if isinstance(i, torch.Tensor) else None for i in inputs)
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=target, losses=losses)
         if not self.holds_last:

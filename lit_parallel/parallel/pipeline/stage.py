@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_parallel import _compat
 from lit_parallel.parallel.pipeline.plan import PipelinePlan, StagePlan
 
 __all__ = ["StageModule", "build_stage_modules"]
@@ -42,6 +43,40 @@ def _map_tensors(fn: Any, value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _map_tensors(fn, v) for k, v in value.items()}
     return value
+
+
+# torch < 2.13 (_compat feature "pipelining_integer_tensors"): a stage asks for a gradient of every tensor it
+# receives, which an integer tensor cannot have. The inputs later stages read travel as floating tensors: the
+# same bytes reinterpreted (exact for every value), or converted to float32 for 1-byte types (exact too).
+_SAME_BYTES = {8: torch.float64, 4: torch.float32, 2: torch.float16}
+
+
+def _to_wire(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
+        return value
+    wire = _SAME_BYTES.get(value.element_size())
+    return value.view(wire) if wire is not None else value.to(torch.float32)
+
+
+def _from_wire(value: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None or not isinstance(value, torch.Tensor) or value.dtype == dtype:
+        return value
+    value = value.detach()
+    return value.view(dtype) if dtype.itemsize in _SAME_BYTES else value.to(dtype)
+
+
+class _ZeroGradsForWire(torch.autograd.Function):
+    """The activation unchanged; in backward, zero gradients for the inputs that came as floating tensors
+    (torch < 2.13 sends a gradient back for every tensor a stage received)."""
+
+    @staticmethod
+    def forward(ctx: Any, activation: torch.Tensor, *wired: torch.Tensor) -> torch.Tensor:
+        ctx.wired = [(w.shape, w.dtype, w.device) for w in wired]
+        return activation.view_as(activation)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.wired))
 
 
 class _StageState:
@@ -139,6 +174,9 @@ class StageModule(nn.Module):
         self._state = state
         # micro-batches whose activations this stage holds for backward (now, and the most since reset)
         self.in_flight = self.peak_in_flight = 0
+        # the dtypes of the model's inputs (None for non-tensors), set before each step: on torch < 2.13 the
+        # integer ones reach later stages as floating tensors and are read back as these
+        self.input_dtypes: tuple[torch.dtype | None, ...] = ()
         # non-block pieces of the whole model: (parent, attribute, the real module, its skip)
         self._others = skips
 
@@ -166,6 +204,12 @@ class StageModule(nn.Module):
         state.stage, state.phase, state.output = self, "prefix", None
         state.inject = None if first else args[0]
         out = None
+        wire = not _compat.has_feature("pipelining_integer_tensors")
+        if wire and not first and len(self.input_dtypes) == len(inputs):
+            wired = [w for w, d in zip(inputs, self.input_dtypes) if d is not None and w.dtype != d]
+            inputs = tuple(_from_wire(w, d) for w, d in zip(inputs, self.input_dtypes))
+            if wired and isinstance(args[0], torch.Tensor):
+                state.inject = _ZeroGradsForWire.apply(args[0], *wired)
         try:
             with self._in_place():
                 out = self._model(*inputs)
@@ -173,6 +217,9 @@ class StageModule(nn.Module):
             pass  # a stage before the last: its output is its last block's (state.output)
         finally:
             state.stage = None
+        if wire and not self.is_last:
+            _compat.log_degraded("pipelining_integer_tensors")
+            inputs = tuple(_to_wire(i) for i in inputs)
         result = out if self.is_last else (state.output, *inputs)
         self._count_in_flight(out if self.is_last else state.output)
         return result
