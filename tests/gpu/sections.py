@@ -370,6 +370,40 @@ def clip_norm_device(where: Where) -> dict:
         dist.destroy_process_group()
 
 
+def rank0_sync_memory(where: Where) -> dict:
+    """Rank 0's weights, on the CPU, broadcast over NCCL: staged on the GPU through one buffer of at most the
+    cap, never the whole model. One GPU makes a group of one, whose broadcasts are real NCCL calls that move
+    nothing; the size-1 shortcut of ``broadcast_from_rank0`` is bypassed so that its NCCL path runs."""
+    import torch.distributed as dist
+
+    from lit_parallel.parallel import materialize
+
+    dist.init_process_group(where.backend, init_method=f"file://{where.tmp / 'pg'}", rank=0, world_size=1)
+    try:
+        if where.cuda:
+            torch.cuda.set_device(0)
+        model = GPTModule(where.config()).model  # on the CPU
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        cap = 2**20 if where.cuda else 4096
+        materialize._distributed = lambda: True  # a group of one: see the docstring
+        if where.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        materialize.broadcast_from_rank0(list(model.parameters()) + list(model.buffers()), chunk_bytes=cap)
+        out: dict[str, Any] = {"weights_bytes": model_bytes(model), "cap_bytes": cap}
+        if where.cuda:
+            torch.cuda.synchronize()
+            out["device_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+            # the caching allocator rounds a block up to 512 bytes (2 MiB segments hold it)
+            assert out["device_peak_extra_bytes"] <= cap + 512, out
+        worst = max((v - before[k]).abs().max().item() for k, v in model.state_dict().items())
+        assert worst == 0.0, f"rank 0's weights changed by {worst}"
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def rng_states(where: Where) -> dict:
     """The generator of the rank's own device is saved and restored, whatever else is visible."""
     from lit_parallel.rng import capture_rng_state, restore_rng_state
@@ -477,6 +511,7 @@ SECTIONS: dict[str, Callable[[Where], dict]] = {
     "environment": environment,
     "clip_norm_device": clip_norm_device,
     "rng_states": rng_states,
+    "rank0_sync_memory": rank0_sync_memory,
     **{f"strategy_{name}": strategy_run(name) for name in STRATEGIES},
     "ddp_comm_hooks": ddp_comm_hooks,
     "meta_init": meta_init,
