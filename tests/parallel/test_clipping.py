@@ -49,7 +49,9 @@ def _sharded_meta_parameters(n: int = 3):
     params = []
     for i in range(n):
         placement = Shard(0) if i % 2 == 0 else Replicate()
-        p = nn.Parameter(DTensor.from_local(torch.empty(4, 3, device="meta"), mesh, [placement]))
+        # a leaf DTensor, not an nn.Parameter: wrapping one dispatches ``detach``, whose sharding propagation
+        # asks the "meta" device type for its device count on torch 2.14 (there is none)
+        p = DTensor.from_local(torch.empty(4, 3, device="meta"), mesh, [placement])
         p.grad = DTensor.from_local(torch.empty(4, 3, device="meta"), mesh, [placement])
         params.append(p)
     return params
