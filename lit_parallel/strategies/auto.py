@@ -176,7 +176,12 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
     def connect(self, model: Any) -> None:
         # Without Lightning's launcher (torchrun, SLURM) the model is first known here; the Trainer has
         # attached it (``fit`` does before connecting).
-        trainer = model.trainer
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None:
+            # connected before any Trainer holds it (Lightning's own data-connector tests do this): nothing
+            # to measure against yet, so behave as any parallel strategy does; fit connects it again
+            super().connect(model)
+            return
         self._deferred = (self.chosen is None or trainer.strategy is self) and not _has_parameters(model)
         if self._deferred:
             info(

@@ -320,3 +320,21 @@ def test_a_layout_that_fills_the_device_is_not_chosen_the_headroom_is_kept():
     kept = _connected(lp.AutoStrategy(memory_gb=memory_gb)).strategy.advice
     assert kept.device_type == "cpu" and kept.usable_bytes == pytest.approx(memory_gb * GB * 0.9)
     assert kept.recommendation == "fsdp_blocks" and kept.row("FSDP/ZeRO-3").fits
+
+
+def test_a_module_connected_before_a_trainer_holds_it_gets_the_default_until_fit_decides():
+    # Lightning's data-connector tests connect a module that no Trainer holds yet, then set up its data
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.trainer.states import TrainerFn
+    from torch.utils.data import DistributedSampler
+
+    model = BoringModel()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=lp.AutoStrategy(), logger=False)
+    trainer.strategy.connect(model)
+    assert trainer.strategy.lightning_module is model and isinstance(trainer.strategy, lp.AutoStrategy)
+    assert trainer.strategy.chosen is None  # nothing measured yet: fit decides
+    trainer._data_connector.attach_data(model)
+    trainer.state.fn = TrainerFn.VALIDATING
+    trainer.validate_loop.setup_data()
+    (loader,) = trainer.validate_loop._combined_loader.flattened
+    assert isinstance(loader.sampler, DistributedSampler) and loader.sampler.num_replicas == 2
