@@ -26,7 +26,8 @@ def reshard_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory, reshard_dir) -> LaunchResult:
     """4 ranks: ``tp_dp`` as data parallel 2 x tensor parallel 2 and its checkpoint
-    (``tests.scenarios.tp``), ``pp_dp`` as pp2 x dp2 and its recipe (``tests.scenarios.pipeline``), the
+    (``tests.scenarios.tp``), ``pp_dp`` as pp2 x dp2 (also with short last batches) and its recipe
+    (``tests.scenarios.pipeline``), the
     callbacks under a 2 x 2 mesh (``tests.scenarios.callbacks_*``) and the checkpoints that
     tests/reliability/test_failures.py reshards (``tests.scenarios.reliability:reshard_save``)."""
     return launch(
@@ -35,6 +36,7 @@ def four_ranks(tmp_path_factory, reshard_dir) -> LaunchResult:
             "tests.scenarios.tp:checkpoint_resume",
             "tests.scenarios.pipeline:parity_pp2_dp2",
             "tests.scenarios.pipeline:recipe_gpt_pp",
+            "tests.scenarios.pipeline:partial_batches",
             "tests.scenarios.callbacks_metrics:tensor_parallel_metrics",
             "tests.scenarios.callbacks_set_epoch:tensor_parallel_set_epoch",
             "tests.scenarios.reliability:reshard_save",

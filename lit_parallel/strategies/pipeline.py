@@ -37,7 +37,7 @@ from lit_parallel.parallel.pipeline.checkpoint import (
     load_full_state_dict_into_stages,
     load_pipeline_checkpoint,
 )
-from lit_parallel.parallel.pipeline.plan import ZERO_BUBBLE, check_schedule, plan_pipeline
+from lit_parallel.parallel.pipeline.plan import ZERO_BUBBLE, check_schedule, micro_batches_for, plan_pipeline
 from lit_parallel.parallel.pipeline.schedule import (
     HeldGradients,
     Pipeline,
@@ -72,16 +72,11 @@ def _run_by_the_pipeline(self: Any, *args: Any, **kwargs: Any) -> None:
     raise RuntimeError("pp_dp runs training, validation and test steps through the pipeline, not this method")
 
 
-def _shapes(inputs: tuple, targets: Any, microbatches: int) -> tuple:
+def _shapes(inputs: tuple, targets: Any) -> tuple[int, tuple]:
+    """The batch's sample count and the shapes and dtypes its tensors have (what torch's stages fix)."""
     tensors = [t for t in (*inputs, targets) if isinstance(t, torch.Tensor)]
     size = tensors[0].shape[0] if tensors else 0
-    if size % microbatches:
-        raise ValueError(
-            f"a batch of {size} samples does not split into microbatches={microbatches} equal micro-batches"
-            " (the step's loss is the mean of the micro-batch means); use a batch size divisible by"
-            f" {microbatches} and DataLoader(..., drop_last=True), or change microbatches"
-        )
-    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+    return size, tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
 class PipelineParallelStrategy(TransformerFSDPStrategy):
@@ -93,8 +88,9 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         schedule: ``"1F1B"`` (default), ``"GPipe"``, ``"Interleaved1F1B"``, ``"LoopedBFS"`` (2 stages per
             rank), ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"`` (2 stages per rank,
             zero-bubble: only with ``data_parallel_size=1``, see the docs).
-        microbatches: micro-batches each step's batch is cut into (M); the batch size must divide by it.
-            The bubble (idle fraction) of GPipe and 1F1B is ``(P - 1) / (M + P - 1)``.
+        microbatches: micro-batches each step's batch is cut into (M); the batch size should divide by it.
+            A batch it does not divide (a dataset's last, shorter batch) runs exactly as fewer equal
+            micro-batches (the largest count below M that divides it). The bubble (idle fraction) of GPipe and 1F1B is ``(P - 1) / (M + P - 1)``.
         data_parallel_size: ``"auto"`` (default): what the other sizes leave.
         data_parallel_replicate_size: replicas x shards inside each stage (HSDP); 1 = FSDP.
         tensor_parallel_size: tensor parallelism inside each stage (1 = off).
@@ -266,12 +262,19 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
     def _pp_group(self) -> Any:
         return self.parallel_dims.mesh["pipeline_parallel"].get_group()
 
-    def _pipeline_for(self, key: tuple) -> Pipeline:
-        """torch's stages fix the tensor shapes they exchange at their first step: one pipeline per shape
-        of the batch (a smaller last batch, a validation batch size), built when first seen."""
+    def _pipeline_for(self, key: tuple, schedule: str, microbatches: int) -> Pipeline:
+        """torch's stages fix the tensor shapes they exchange at their first step, and its schedules the
+        number of micro-batches: one pipeline per shape of the batch (a smaller last batch, a validation
+        batch size), built when first seen."""
         if key not in self._pipelines:
             self._pipelines[key] = build_pipeline(
-                self.pipeline_plan, self._stages, self.parallel_dims, self._micro_batch_loss, self.root_device
+                self.pipeline_plan,
+                self._stages,
+                self.parallel_dims,
+                self._micro_batch_loss,
+                self.root_device,
+                schedule=schedule,
+                microbatches=microbatches,
             )
         return self._pipelines[key]
 
@@ -283,14 +286,25 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         split = getattr(module, "pipeline_split_batch", None)
         inputs, targets = split(batch) if callable(split) else _default_split_batch(batch)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        key = _shapes(inputs, targets, self._microbatches)
+        size, shapes = _shapes(inputs, targets)
+        # a batch that microbatches does not divide (a dataset's last, shorter batch) runs as fewer equal
+        # micro-batches: the mean of their means is still the batch's mean (see micro_batches_for)
+        schedule, count = micro_batches_for(self._schedule, self._pp_size, self._microbatches, size)
+        key = (shapes, schedule, count)
         if not _compat.has_feature("pipelining_mode_switch"):  # torch < 2.12: one pipeline per mode too
             _compat.log_degraded("pipelining_mode_switch")
             key = (*key, train)
-        self.pipeline = self._pipeline_for(key)
+        if key not in self._pipelines and count != self._microbatches:
+            info(
+                f"{self.strategy_name}: a batch of {size} samples does not split into microbatches="
+                f"{self._microbatches} equal micro-batches; it runs as {count} micro-batch(es) of"
+                f" {size // count} under {schedule} (exact; a batch size divisible by {self._microbatches}"
+                " keeps the pipeline full)"
+            )
+        self.pipeline = self._pipeline_for(key, schedule, count)
         # gradients of the step's mean loss, divided by the accumulation as Lightning does with a returned loss
         accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
-        self._loss_scale = 1.0 / (self._microbatches * accumulate)
+        self._loss_scale = 1.0 / (count * accumulate)
         if train:
             self._held = HeldGradients(self.lightning_module.parameters())
             with self._held:

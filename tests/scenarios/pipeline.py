@@ -285,12 +285,63 @@ def options(ctx):
     return out
 
 
+# two stages per rank, microbatches=4, batches of 8: samples -> the schedule that runs the last, short batch
+LAST_BATCH_FALLBACKS = {"Interleaved1F1B": (57, "LoopedBFS", 1), "DualPipeV": (58, "ZBVZeroBubble", 2)}
+
+
 def smaller_last_batch(ctx):
-    """60 samples in batches of 8: the epoch's last batch has 4, a second shape for the stages."""
+    """60 samples in batches of 8: the epoch's last batch has 4, a second shape for the stages. Then two
+    schedules with two stages per rank whose last batch (1 or 2 samples) is fewer micro-batches than they
+    accept: a schedule of the same layout runs it (LAST_BATCH_FALLBACKS)."""
     model, rec = PipeModel(), LossRecorder()
     t = trainer(ctx, _pp(2, "1F1B"), max_epochs=1, gradient_clip_val=0.5, callbacks=[rec])
     t.fit(model, DataLoader(lm_dataset(60), batch_size=8))
-    return {"losses": rec.train, "params": local_params(model)}
+    out: dict = {"losses": rec.train, "params": local_params(model), "fallbacks": {}}
+    for schedule, (samples, _, _) in LAST_BATCH_FALLBACKS.items():
+        model, rec = PipeModel(), LossRecorder()
+        strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, schedule=schedule, microbatches=4)
+        t = trainer(ctx, strategy, max_epochs=1, gradient_clip_val=0.5, callbacks=[rec])
+        t.fit(model, DataLoader(lm_dataset(samples), batch_size=8))
+        out["fallbacks"][schedule] = {
+            "losses": rec.train,
+            "params": local_params(model),
+            "pipelines": sorted((k[1], k[2]) for k in t.strategy._pipelines),
+        }
+    return out
+
+
+class EvalRecorder(LossRecorder):
+    """Also the test loss of every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.test: list[float] = []
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.test.append(outputs.item())
+
+
+PARTIAL = {"train": 46, "val": 10, "test": 14}  # samples; per data-parallel rank 23, 5, 7 in batches of 4
+
+
+def partial_batches(ctx):
+    """pp2 x dp2, microbatches=4, batches of 4 per rank, no drop_last: every loader's last batch is short.
+    Training (accumulation 2, clipping): the epoch's sixth batch has 3 samples (3 micro-batches of 1 under
+    1F1B); validation's second batch has 1 (1F1B needs 2 micro-batches at pp2: GPipe runs it); test's
+    second has 3."""
+    model, rec = PipeModel(), EvalRecorder()
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, schedule="1F1B", microbatches=4)
+    t = trainer(ctx, strategy, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[rec])
+    batches = {k: DataLoader(lm_dataset(n, seed=i), batch_size=4) for i, (k, n) in enumerate(PARTIAL.items())}
+    t.fit(model, batches["train"], batches["val"])
+    t.test(model, batches["test"], verbose=False)
+    return {
+        "losses": rec.train,
+        "val": rec.val,
+        "test": rec.test,
+        "params": local_params(model),
+        "pipelines": sorted((k[1], k[2]) for k in t.strategy._pipelines),
+    }
 
 
 # --- the recipe: recipes/gpt.py with recipes/configs/gpt_pp.yaml, as its header's torchrun command -------

@@ -14,7 +14,7 @@ import torch
 
 from tests.harness import launch
 from tests.models import GPT, GPTConfig
-from tests.reference import assert_rel_close, collate, reference_training
+from tests.reference import assert_rel_close, collate, rank_orders, reference_training
 from tests.scenarios import pipeline as sc
 
 pytestmark = pytest.mark.multiprocess
@@ -233,6 +233,66 @@ def test_a_smaller_last_batch_gets_its_own_stage_shapes_and_stays_exact(run2):
         gradient_clip_val=0.5,
     )
     _assert_parity(run2.scenario("smaller_last_batch"), ref, "smaller last batch")
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("schedule", list(sc.LAST_BATCH_FALLBACKS))
+def test_a_last_batch_too_short_for_the_schedule_runs_under_one_of_the_same_layout_exactly(run2, schedule):
+    samples, runner, count = sc.LAST_BATCH_FALLBACKS[schedule]
+    ref = reference_training(
+        sc.build_model(),
+        sc.lm_dataset(samples),
+        sc.lm_loss,
+        world_size=1,
+        per_rank_batch=8,
+        max_steps=8,
+        lr=0.1,
+        gradient_clip_val=0.5,
+    )
+    per_rank = [out["fallbacks"][schedule] for out in run2.scenario("smaller_last_batch")]
+    _assert_parity(per_rank, ref, f"{schedule} short last batch")
+    for out in per_rank:
+        assert out["pipelines"] == sorted([(schedule, 4), (runner, count)])
+
+
+def _eval_losses(model: torch.nn.Module, data, world_size: int, batch: int) -> list[float]:
+    """The loss of each global evaluation batch: every rank's part of it in order (unshuffled
+    DistributedSampler), its mean over all of its samples."""
+    orders = rank_orders(len(data), world_size, 0, shuffle=False)
+    with torch.no_grad():
+        return [
+            sc.lm_loss(model, collate(data, [i for order in orders for i in order[s : s + batch]])).item()
+            for s in range(0, len(orders[0]), batch)
+        ]
+
+
+@pytest.mark.timeout(1600)
+def test_pp2_dp2_runs_short_last_batches_exactly_in_training_validation_and_test(four_ranks):
+    per_rank = four_ranks.scenario("partial_batches")
+    sizes = sc.PARTIAL
+    ref = reference_training(
+        sc.build_model(),
+        sc.lm_dataset(sizes["train"], seed=0),
+        sc.lm_loss,
+        world_size=2,
+        per_rank_batch=BATCH,
+        max_steps=3,
+        lr=0.1,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+    )
+    # the sixth (last) batch of the epoch has 23 - 5 * 4 = 3 samples per rank: 3 micro-batches, not 4
+    assert len(ref["losses"]) == 6
+    _assert_parity(per_rank, ref, "pp2 x dp2 short last batch")
+    model = sc.build_model()
+    model.load_state_dict(ref["params"])
+    val = _eval_losses(model, sc.lm_dataset(sizes["val"], seed=1), 2, BATCH)
+    test = _eval_losses(model, sc.lm_dataset(sizes["test"], seed=2), 2, BATCH)
+    for out in per_rank:
+        assert_rel_close(torch.tensor(out["val"]), torch.tensor(val), what="validation losses")
+        assert_rel_close(torch.tensor(out["test"]), torch.tensor(test), what="test losses")
+        # full batches: 1F1B x 4; 3 samples: 1F1B x 3; 1 sample: 1F1B needs 2 micro-batches at pp2, GPipe x 1
+        assert out["pipelines"] == [("1F1B", 3), ("1F1B", 4), ("GPipe", 1)]
 
 
 @pytest.mark.timeout(1600)

@@ -47,6 +47,7 @@ __all__ = [
     "balanced_split",
     "bubble_fraction",
     "check_schedule",
+    "micro_batches_for",
     "plan_pipeline",
     "stage_to_rank",
 ]
@@ -92,6 +93,32 @@ def check_schedule(
                 f" microbatches={microbatches} must be a multiple of {microbatches // rounds} (try"
                 f" {rounds * pp_size})"
             )
+
+
+# A schedule that runs any number of micro-batches on the same stages (same stages per rank, same stage-to-rank
+# style): for a batch whose micro-batch count the configured schedule refuses (a dataset's short last batch).
+_ANY_COUNT = {("loop", 1): "GPipe", ("loop", 2): "LoopedBFS", ("v", 2): "ZBVZeroBubble"}
+
+
+def micro_batches_for(schedule: str, pp_size: int, microbatches: int, batch_size: int) -> tuple[str, int]:
+    """The schedule and number of equal micro-batches that run a batch of ``batch_size`` samples.
+
+    ``microbatches`` when it divides the batch; otherwise (a dataset's last, shorter batch) the largest count
+    below it that divides the batch, under ``schedule`` when the schedule accepts that count, else under the
+    schedule of the same stage layout that accepts any count (GPipe, LoopedBFS, ZBVZeroBubble). Equal
+    micro-batches keep the mean of the micro-batch means equal to the batch's mean; the schedule changes only
+    the order of the same forward and backward passes, not the gradients."""
+    if batch_size < 1:
+        raise ValueError(f"a batch of {batch_size} samples cannot run through the pipeline")
+    count = max(m for m in range(1, min(microbatches, batch_size) + 1) if batch_size % m == 0)
+    if count == microbatches:
+        return schedule, count
+    try:
+        check_schedule(schedule, pp_size, count)
+        return schedule, count
+    except ValueError:
+        _, per_rank, style = SCHEDULES[schedule]
+        return _ANY_COUNT[(style, per_rank)], count
 
 
 def bubble_fraction(pp_size: int, microbatches: int) -> float:

@@ -133,25 +133,36 @@ def build_pipeline(
     dims: ParallelDims,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     device: torch.device,
+    *,
+    schedule: str | None = None,
+    microbatches: int | None = None,
 ) -> Pipeline:
-    """torch's ``PipelineStage`` for each of this rank's stages and the plan's schedule over them.
+    """torch's ``PipelineStage`` for each of this rank's stages and a schedule over them: the plan's, or
+    ``schedule`` with ``microbatches`` (a shorter batch: :func:`~lit_parallel.parallel.pipeline.plan.micro_batches_for`).
 
     ``loss_fn(output, targets)`` must return the micro-batch loss divided by the number of micro-batches
     (and by the gradient accumulation): the gradients are those of the step's mean loss."""
     import torch.distributed.pipelining as pipelining
 
+    name = plan.schedule if schedule is None else schedule
+    if SCHEDULES[name][1:] != SCHEDULES[plan.schedule][1:]:
+        raise ValueError(
+            f"schedule={name!r} lays stages out differently from the plan's {plan.schedule!r}; use one with"
+            f" {SCHEDULES[plan.schedule][1]} stage(s) per rank, {SCHEDULES[plan.schedule][2]!r} order"
+        )
     group = dims.mesh["pipeline_parallel"].get_group()
-    cls = getattr(pipelining, SCHEDULES[plan.schedule][0])
+    cls = getattr(pipelining, SCHEDULES[name][0])
     pipe_stages = [
         pipelining.PipelineStage(stage, stage.plan.index, plan.num_stages, device, group=group)
         for stage in stages
     ]
     # scale_grads=False: torch would divide the whole .grad by M after each step, also what earlier steps
     # of a gradient accumulation left there; ``loss_fn`` is scaled by 1 / M instead (see Pipeline.step)
-    first = pipe_stages[0] if SCHEDULES[plan.schedule][1] == 1 else pipe_stages
-    schedule = cls(first, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+    first = pipe_stages[0] if SCHEDULES[name][1] == 1 else pipe_stages
+    count = plan.microbatches if microbatches is None else microbatches
+    runner = cls(first, n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
     holds_last = any(s.is_last for s in stages)
-    return Pipeline(plan, stages, schedule, holds_last, group, pipe_stages)
+    return Pipeline(plan, stages, runner, holds_last, group, pipe_stages)
 
 
 class HeldGradients:

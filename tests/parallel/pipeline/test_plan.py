@@ -18,6 +18,7 @@ from lit_parallel.parallel.pipeline.plan import (
     balanced_split,
     bubble_fraction,
     check_schedule,
+    micro_batches_for,
     plan_pipeline,
     stage_to_rank,
 )
@@ -112,6 +113,36 @@ def test_plan_table_is_one_short_table():
 def test_schedule_refusals_name_the_value_and_the_fix(schedule, pp, m, dp, message):
     with pytest.raises(ValueError, match=message):
         check_schedule(schedule, pp, m, dp)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("pp, m", [(2, 4), (2, 8), (4, 4), (4, 12)])
+def test_a_batch_microbatches_does_not_divide_runs_as_fewer_equal_micro_batches(schedule, pp, m):
+    try:
+        check_schedule(schedule, pp, m)
+    except ValueError:
+        return  # a configuration the strategy refuses when built
+    for batch in range(1, 3 * m + 1):
+        name, count = micro_batches_for(schedule, pp, m, batch)
+        divisors = [d for d in range(1, m + 1) if batch % d == 0]
+        assert count == max(divisors), f"batch {batch}: {count} micro-batches"
+        # the configured schedule whenever it accepts the count, else one with the same stage layout
+        accepted = True
+        try:
+            check_schedule(schedule, pp, count)
+        except ValueError:
+            accepted = False
+        assert (name == schedule) == accepted, f"batch {batch}: {name}"
+        assert SCHEDULES[name][1:] == SCHEDULES[schedule][1:]
+        check_schedule(name, pp, count)
+
+
+def test_a_full_batch_keeps_the_configured_schedule_and_micro_batches():
+    assert micro_batches_for("1F1B", 2, 4, 8) == ("1F1B", 4)
+    assert micro_batches_for("1F1B", 2, 4, 11) == ("GPipe", 1)  # 11 is prime; 1F1B needs 2 at pp2
+    assert micro_batches_for("1F1B", 2, 4, 6) == ("1F1B", 3)
+    with pytest.raises(ValueError, match="a batch of 0 samples"):
+        micro_batches_for("1F1B", 2, 4, 0)
 
 
 def test_every_schedule_of_torch_is_known():
