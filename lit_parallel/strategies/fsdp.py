@@ -58,6 +58,24 @@ if TYPE_CHECKING:
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
+# What a rank reading a parameter outside its module's forward gets: its shard, empty on some ranks
+_SHARD_READ_FIX = (
+    "A parameter read outside its module's forward (self.layer.weight.item() in test_step, say) is this"
+    " rank's shard under FSDP (a DTensor; empty on ranks that hold none of it): the strategies shard every"
+    " module's parameters and gather them only while that module runs. Read the whole value with"
+    " param.full_tensor() (a collective: call it on every rank), or read it inside the module's forward."
+)
+
+
+def with_shard_read_hint(exception: BaseException) -> None:
+    """Add :data:`_SHARD_READ_FIX` to the error a scalar read of an empty shard raises."""
+    if any(isinstance(a, str) and "_local_scalar_dense: Empty tensor" in a for a in exception.args):
+        exception.args = tuple(
+            f"{a}\n\n{_SHARD_READ_FIX}" if isinstance(a, str) and "_local_scalar_dense" in a else a
+            for a in exception.args
+        )
+
+
 def _refuse_fsdp1(model: nn.Module, strategy: str) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -321,6 +339,11 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         )
 
     # --- reliability (lit_parallel.reliability; the other hooks: ReliableTrainingMixin) -------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        with_shard_read_hint(exception)
+        super().on_exception(exception)  # the failure report (ReliableTrainingMixin)
 
     @override
     def _setup_distributed(self) -> None:

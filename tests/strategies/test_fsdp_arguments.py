@@ -114,3 +114,29 @@ def test_missing_pretrained_file_fails_when_the_trainer_is_built(tmp_path):
 def test_strategies_are_registered_under_their_names():
     assert isinstance(_trainer("fsdp_blocks", devices=2).strategy, lp.TransformerFSDPStrategy)
     assert isinstance(_trainer("hsdp", devices=2).strategy, lp.HybridShardStrategy)
+
+
+def test_reading_an_empty_shard_outside_its_forward_gets_the_fix_in_the_error():
+    # Lightning's test_params_synced_during_nonfit under fsdp_blocks: `.item()` on a parameter in test_step
+    # reads this rank's shard, empty on a rank that holds none of a (1, 1) weight. The same DTensor here, on
+    # one gloo rank: a (1, 1) global shape whose local shard has no rows.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lit_parallel.strategies.fsdp import with_shard_read_hint
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = DTensor.from_local(torch.empty(0, 1), mesh, [Shard(0)], shape=(1, 1), stride=(1, 1))
+        with pytest.raises(RuntimeError) as caught:
+            weight.item()
+    finally:
+        dist.destroy_process_group()
+    with_shard_read_hint(caught.value)
+    message = str(caught.value)
+    assert message.startswith("_local_scalar_dense: Empty tensor not supported")
+    assert "param.full_tensor()" in message and "outside its module's forward" in message
+    other = RuntimeError("something else")
+    with_shard_read_hint(other)
+    assert str(other) == "something else"
