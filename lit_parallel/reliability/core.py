@@ -24,6 +24,7 @@ from lit_parallel import _compat, _logging
 from lit_parallel.reliability import groups, launcher
 from lit_parallel.reliability.checkpoints import (
     ReliableCheckpointIO,
+    collective_device,
     gather_rng_states,
     rng_states_to_restore,
 )
@@ -374,7 +375,7 @@ class ReliabilityCallback(Callback):
             return
         r.progress.saving()
         r.clock.pause("saving a checkpoint")
-        states = gather_rng_states()
+        states = gather_rng_states(collective_device(trainer.strategy.root_device))
         if states is not None:
             checkpoint[RNG_KEY] = {"world_size": len(states), "ranks": states}
 
