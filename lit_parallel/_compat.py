@@ -39,6 +39,7 @@ _DCP = "torch.distributed.checkpoint"
 _PYTREE = "torch.utils._pytree"  # no public pytree in torch 2.13
 _FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup"
 _LAUNCHER = "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
+_MP_LAUNCHER = "lightning.pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher"
 
 # FSDP2 methods in which the compute stream waits on a collective stream's event (measure/collective_waits.py).
 FSDP_WAIT_METHODS = ("wait_for_unshard", "_wait_for_post_backward", "finalize_backward")
@@ -191,6 +192,12 @@ ENTRIES: dict[str, Entry] = {
     "SubprocessScriptLauncher": Entry(
         _LAUNCHER,
         "reliability: Lightning's own launcher, subclassed to add a watchdog",
+        "none (Strategy._configure_launcher builds it; Lightning has no public launcher class for DDP)",
+    ),
+    "MultiProcessingLauncher": Entry(
+        _MP_LAUNCHER,
+        "reliability: Lightning's ddp_spawn launcher, subclassed so that a failing rank reports itself (the"
+        " processes it starts run the fit outside Lightning's exception handling)",
         "none (Strategy._configure_launcher builds it; Lightning has no public launcher class for DDP)",
     ),
     "launch_process_observer": Entry(
@@ -585,6 +592,11 @@ def process_group_backend(strategy: Any) -> str:
 def saves_distributed_checkpoint(strategy: Any) -> bool:
     """Whether ``strategy`` (a ModelParallelStrategy) saves sharded DCP checkpoints."""
     return strategy._save_distributed_checkpoint
+
+
+def launcher_start_method(launcher: Any) -> str:
+    """The start method (``"spawn"``, ``"fork"``, ``"forkserver"``) of Lightning's multiprocessing launcher."""
+    return launcher._start_method
 
 
 def set_launcher(strategy: Any, launcher: Any) -> None:

@@ -13,10 +13,15 @@ one per rank at resume, as under SLURM's ``--gpus-per-task``, or the reverse). C
 versions hold a list with one state per visible device (``torch.cuda.get_rng_state_all()``):
 :func:`cuda_state_for_device` picks the rank's entry where the list says which one it is, and otherwise
 leaves the generator alone with a warning.
+
+:func:`state_to_bytes` / :func:`state_from_bytes` turn a state into one ``uint8`` tensor and back (a small JSON
+header for the structure, numbers and strings, then every tensor's bytes), so ranks exchange their states with
+a tensor collective instead of pickling them (``gather_object`` pickles every tensor through ``torch.save``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Callable
@@ -130,3 +135,53 @@ def cuda_state_for_device(saved: Any, device: int, device_count: int) -> tuple[t
         " (dropout masks differ from an uninterrupted run). Resume with as many visible devices per rank as"
         " when it was saved, or save a checkpoint with this version, which stores the rank's own device only"
     )
+
+
+def _header(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        return {"d": {str(k): _header(v, tensors) for k, v in value.items()}}
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return {"t": [str(value.dtype).removeprefix("torch."), list(value.shape)]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    raise TypeError(f"an RNG state holds a {type(value).__name__}, which state_to_bytes cannot encode")
+
+
+def state_to_bytes(state: RNGState) -> torch.Tensor:
+    """``state`` (from :func:`capture_rng_state`) as one CPU ``uint8`` tensor: the header's length (8 bytes),
+    the header (JSON: structure, numbers, strings, each tensor's dtype and shape), then the tensors' bytes."""
+    tensors: list[torch.Tensor] = []
+    header = json.dumps(_header(state, tensors)).encode()
+    parts = [
+        torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8),
+        torch.frombuffer(bytearray(header), dtype=torch.uint8),
+    ]
+    parts += [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    return torch.cat(parts)
+
+
+def state_from_bytes(data: torch.Tensor) -> RNGState:
+    """The state :func:`state_to_bytes` encoded (``data`` may be longer: padding after the end is ignored)."""
+    data = data.cpu()  # a row of the gathered ranks' bytes: its offset need not be a multiple of 8
+    size = int(data[:8].clone().view(torch.int64).item())
+    header = json.loads(bytes(data[8 : 8 + size].numpy().tobytes()).decode())
+    offset = 8 + size
+
+    def build(node: dict) -> Any:
+        nonlocal offset
+        if "d" in node:
+            return {k: build(v) for k, v in node["d"].items()}
+        if "v" in node:
+            return node["v"]
+        dtype_name, shape = node["t"]
+        dtype = getattr(torch, dtype_name)
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = count * dtype.itemsize
+        chunk = data[offset : offset + nbytes].clone()
+        offset += nbytes
+        return chunk.view(dtype).reshape(shape)
+
+    return build(header)

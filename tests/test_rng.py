@@ -22,6 +22,8 @@ from lit_parallel.rng import (
     capture_rng_state,
     cuda_state_for_device,
     restore_rng_state,
+    state_from_bytes,
+    state_to_bytes,
 )
 
 
@@ -124,3 +126,38 @@ def test_cuda_generator_of_the_current_device_round_trips(tmp_path):
     torch.cuda.manual_seed(12)
     restore_rng_state(state, CUDA)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def _assert_same_state(got, want) -> None:
+    assert type(got) is type(want), (got, want)
+    if isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            _assert_same_state(got[k], want[k])
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("gauss_next", [None, 0.123456789012345])
+def test_a_state_encoded_as_bytes_decodes_to_the_same_tensors_numbers_and_strings(gauss_next):
+    # what ranks exchange at save time: one uint8 tensor each, padded to the longest, decoded on rank 0
+    random.seed(3)
+    if gauss_next is not None:
+        random.gauss(0.0, 1.0)  # leaves a cached second value (gauss_next), a float
+    np.random.seed(5)
+    np.random.randn()  # numpy caches a gaussian too
+    state = capture_rng_state(Devices(3, current=2).generators())
+    assert (state["python"]["gauss_next"] is None) == (gauss_next is None)
+    data = state_to_bytes(state)
+    assert data.dtype == torch.uint8 and data.dim() == 1
+    # the bytes of every tensor plus a header: the tensors (5056 + 625*8 + 624*8 + CUDA's 5056) dominate
+    tensor_bytes = 5056 + 625 * 8 + 624 * 8 + state["cuda"]["state"].numel()
+    assert tensor_bytes < data.numel() < tensor_bytes + 1024
+    padded = torch.cat([data, torch.full((37,), 255, dtype=torch.uint8)])
+    _assert_same_state(state_from_bytes(padded), state)
+    # a row of the gathered ranks' bytes starts at any offset of their storage (a view as int64 needs 8)
+    row = torch.stack([padded, padded])[1] if padded.numel() % 8 else torch.cat([padded[:3], padded])[3:]
+    assert row.storage_offset() % 8 != 0
+    _assert_same_state(state_from_bytes(row), state)

@@ -32,7 +32,7 @@ from lit_parallel.checkpoint.write import (
     write_error,
 )
 from lit_parallel.reliability.options import RNG_KEY
-from lit_parallel.rng import capture_rng_state
+from lit_parallel.rng import capture_rng_state, state_from_bytes, state_to_bytes
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -124,14 +124,39 @@ class ReliableCheckpointIO(CheckpointIO):
         self.inner.teardown()
 
 
-def gather_rng_states() -> list[dict] | None:
-    """Every rank's RNG states, on rank 0 (``None`` elsewhere). A collective: call it on every rank."""
+def gather_rng_states(device: torch.device | None = None) -> list[dict] | None:
+    """Every rank's RNG states, on rank 0 (``None`` elsewhere). A collective: call it on every rank.
+
+    Each rank's states travel as one ``uint8`` tensor (:func:`~lit_parallel.rng.state_to_bytes`) on
+    ``device``, the process group's device (NCCL refuses CPU tensors; default: CPU): an all-gather of the
+    lengths, then a gather of the padded bytes to rank 0. Nothing is pickled, so no rank but the one that
+    writes the checkpoint calls ``torch.save``, and the only device-to-host copies are the lengths (every rank)
+    and the gathered bytes (rank 0)."""
     state = capture_rng_state()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [state]
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(state, gathered, dst=0)
-    return gathered
+    device = torch.device("cpu") if device is None else device
+    world, rank = dist.get_world_size(), dist.get_rank()
+    payload = state_to_bytes(state).to(device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    longest = int(max(torch.cat(lengths).tolist()))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
+    dist.gather(padded, gathered, dst=0)
+    if gathered is None:
+        return None
+    on_host = torch.stack(gathered).cpu()
+    return [state_from_bytes(row) for row in on_host]
+
+
+def collective_device(strategy_root_device: torch.device) -> torch.device:
+    """The device of tensors handed to the default process group's collectives: the strategy's (CUDA) device
+    when the group runs NCCL, which refuses CPU tensors; else the CPU (gloo)."""
+    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else ""
+    return strategy_root_device if "nccl" in backend else torch.device("cpu")
 
 
 def rng_states_to_restore(checkpoint: dict[str, Any], world_size: int, rank: int) -> dict | None:

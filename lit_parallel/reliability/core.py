@@ -24,10 +24,11 @@ from lit_parallel import _compat, _logging
 from lit_parallel.reliability import groups, launcher
 from lit_parallel.reliability.checkpoints import (
     ReliableCheckpointIO,
+    collective_device,
     gather_rng_states,
     rng_states_to_restore,
 )
-from lit_parallel.reliability.launcher import watch_launcher
+from lit_parallel.reliability.launcher import report_from_spawned_ranks, watch_launcher
 from lit_parallel.reliability.options import (
     AUTO_FLOOR_S,
     RNG_KEY,
@@ -38,7 +39,14 @@ from lit_parallel.reliability.options import (
     limit_before_timeout_s,
 )
 from lit_parallel.reliability.preemption import Preemption
-from lit_parallel.reliability.reports import _classify, _first_line, _main_thread_frames, _Progress, _Reporter
+from lit_parallel.reliability.reports import (
+    _classify,
+    _first_line,
+    _main_thread_frames,
+    _Progress,
+    _Reporter,
+    _spawned_failure,
+)
 from lit_parallel.reliability.resume import resume_mid_epoch
 from lit_parallel.reliability.signals import CHILD_WAIT_S, SignalExit
 from lit_parallel.reliability.stall import StallClock, StallWatchdog
@@ -99,6 +107,7 @@ class Reliability:
 
     def configure_launcher(self, strategy: Strategy) -> None:
         """After Lightning configured the strategy's launcher: add the watchdog."""
+        report_from_spawned_ranks(strategy)
         if self.watchdog:
             watch_launcher(strategy)
 
@@ -238,6 +247,11 @@ class Reliability:
     def on_exception(self, exception: BaseException, rank: int) -> None:
         """Print this rank's failure report (with the other ranks' positions) and append it to the error."""
         self._failed = True
+        spawned = _spawned_failure(exception, rank)
+        if spawned is not None:
+            # this process is ddp_spawn's launching process, no rank: name the rank that failed
+            _stderr(spawned)
+            return
         if self.reporter is None:
             text = f"lit_parallel: rank {rank} failed in {self.progress.describe()}: {_first_line(exception)}"
         else:
@@ -367,6 +381,12 @@ class ReliabilityCallback(Callback):
         if r is not None:
             r.progress.at(f"end of epoch {trainer.current_epoch}")
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Lightning calls the callbacks' on_train_end before the module's
+        r = _reliability(trainer)
+        if r is not None:
+            r.progress.at("on_train_end")
+
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         # runs on every rank (Lightning builds the checkpoint on each), so the states can be gathered here
         r = _reliability(trainer)
@@ -374,7 +394,7 @@ class ReliabilityCallback(Callback):
             return
         r.progress.saving()
         r.clock.pause("saving a checkpoint")
-        states = gather_rng_states()
+        states = gather_rng_states(collective_device(trainer.strategy.root_device))
         if states is not None:
             checkpoint[RNG_KEY] = {"world_size": len(states), "ranks": states}
 

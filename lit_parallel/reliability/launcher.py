@@ -15,8 +15,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from typing_extensions import override
 
 from lit_parallel._compat import (
+    MultiProcessingLauncher,
     SubprocessScriptLauncher,
     launch_process_observer,
+    launcher_start_method,
     set_launcher,
     set_num_threads_if_needed,
 )
@@ -274,6 +276,34 @@ class _WatchedSubprocessScriptLauncher(SubprocessScriptLauncher):
         return function(*args, **kwargs)
 
 
+class _ReportFailure:
+    """The function a process started by ``ddp_spawn`` runs, reporting its own failure: Lightning runs it
+    outside its exception handling there (no ``on_exception``), so without this the only report would be the
+    launching process's, which is no rank. Module-level: it is pickled into the started processes."""
+
+    def __init__(self, function: Any, trainer: pl.Trainer | None) -> None:
+        self.function = function
+        self.trainer = trainer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.function(*args, **kwargs)
+        except BaseException as exception:
+            if self.trainer is not None:
+                # the rank's report ("lit_parallel: rank N failed in <hook>") is added to the error's text,
+                # which torch.multiprocessing hands to the launching process
+                self.trainer.strategy.on_exception(exception)
+            raise
+
+
+class _ReportingMultiProcessingLauncher(MultiProcessingLauncher):
+    """Lightning's ``ddp_spawn`` launcher whose ranks report their own failures (:class:`_ReportFailure`)."""
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        return super().launch(_ReportFailure(function, trainer), *args, trainer=trainer, **kwargs)
+
+
 def watch_launcher(strategy: Any) -> None:
     """Replace Lightning's ``python train.py`` launcher by the watched one (in the launching process), and in
     a rank it started, exit when the launching process is gone (until the strategy's teardown)."""
@@ -284,3 +314,10 @@ def watch_launcher(strategy: Any) -> None:
         )
         set_launcher(strategy, watched)
     _watch_launching_process()
+
+
+def report_from_spawned_ranks(strategy: Any) -> None:
+    """Under ``ddp_spawn`` (Lightning's multiprocessing launcher): each started rank reports its own failure."""
+    launcher = strategy.launcher
+    if type(launcher) is MultiProcessingLauncher:
+        set_launcher(strategy, _ReportingMultiProcessingLauncher(strategy, launcher_start_method(launcher)))

@@ -43,6 +43,8 @@ class _Progress:
         self.stage = f"{_SAVING}{where} ({self._before_saving})"
 
     def describe(self) -> str:
+        if self.stage.startswith("on_"):  # a hook after the batches (on_train_end): its name says where
+            return self.stage
         if self.batch < 0 or "batch" in self.stage or "epoch" in self.stage:
             return self.stage
         return f"{self.stage} of training batch {self.batch} (epoch {self.epoch})"
@@ -134,6 +136,39 @@ def _first_line(exception: BaseException) -> str:
         return f"{type(exception).__name__} (torch.distributed.checkpoint failed on " + "; ".join(parts) + ")"
     text = str(exception).strip().splitlines()
     return f"{type(exception).__name__}: {text[0] if text else ''}"[:400]
+
+
+_RANK_LABEL = re.compile(r"lit_parallel: rank (\d+) failed in ([^\n]+)")
+
+
+def _spawned_failure(exception: BaseException, first_rank: int) -> str | None:
+    """In the launching process of ``ddp_spawn`` (no rank itself): the report of the started process that
+    failed, from torch.multiprocessing's exception (``None`` for any other exception). A rank that raised
+    added its own label ("lit_parallel: rank N failed in <hook>") to its error, whose traceback this exception
+    carries; without one, the process's index (its local rank; ``first_rank`` is local rank 0's global rank)
+    is what is known."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    if not isinstance(exception, (ProcessRaisedException, ProcessExitedException)):
+        return None
+    rank = first_rank + exception.error_index
+    if isinstance(exception, ProcessExitedException):
+        how = (
+            f"signal {exception.signal_name}" if exception.signal_name else f"exit code {exception.exit_code}"
+        )
+        return f"lit_parallel: rank {rank} (pid {exception.error_pid}) died with {how}"
+    text = exception.msg
+    lines = text.splitlines()
+    files = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    after = lines[files[-1] + 1 :] if files else lines
+    error = next((line for line in after if line.strip() and not line.startswith(" ")), "")
+    labels = _RANK_LABEL.findall(text)
+    where = f" in {labels[-1][1]}" if labels else ""
+    rank = int(labels[-1][0]) if labels else rank
+    return (
+        f"lit_parallel: rank {rank} failed{where}: {error[:400]} (pid {exception.error_pid}, started by"
+        " ddp_spawn; its traceback is above)"
+    )
 
 
 class _Reporter:

@@ -1,14 +1,18 @@
 """Reliability on real gloo ranks: failures, hangs, resume, preemption, integrity, resharding.
 
-Eight launches: resume + preemption + refusals (torchrun, 2 ranks); hangs (torchrun, 2 ranks, the last
+Eleven launches: resume + preemption + refusals (torchrun, 2 ranks); hangs (torchrun, 2 ranks, the last
 case failing on purpose); recovery after failures (Lightning's launcher, 2 ranks); a rank raising during a
 checkpoint save (torchrun, fails); rank 0 raising, and rank 0 killed, while rank 1 is stuck (Lightning's
-launcher, two failing launches); resharding (4 ranks save, then 3 ranks load: two launches). Expected values are computed independently: an uninterrupted run
-for resumed runs, the state gathered at save time for restored ones, the wall clock for deadlines.
+launcher, two failing launches); resharding (4 ranks save, then 3 ranks load: two launches); rank 1 raising
+in on_train_end after an epoch-end checkpoint (three short failing launches: torchrun, Lightning's ddp
+launcher, ddp_spawn), which also spies on torch.save in every rank. Expected values are computed
+independently: an uninterrupted run for resumed runs, the state gathered at save time for restored ones,
+the wall clock for deadlines.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -420,3 +424,52 @@ def test_checkpoint_saved_on_4_ranks_restores_bitwise_on_3_in_another_layout(
     assert out["trained"] == 0 and out["global_step"] == expected["global_step"]
     assert_bitwise(out["model"], expected["model"], f"{label} model")
     assert_bitwise(out["optimizer"], expected["optimizer"], f"{label} optimizer")
+
+
+# --- rank 1 raises in on_train_end, under each launcher --------------------------------------------------
+
+LAUNCHERS = {
+    "torchrun": ("torchrun", "popen"),
+    "ddp": ("lightning", "popen"),
+    "ddp_spawn": ("lightning", "spawn"),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHERS))
+def train_end_failure(request, tmp_path_factory):
+    launcher, start_method = LAUNCHERS[request.param]
+    res, data, _ = launch_failing(
+        tmp_path_factory,
+        f"train_end_{request.param}",
+        f"{SC}:rank1_raises_in_on_train_end",
+        launcher=launcher,
+        args={"start_method": start_method},
+        timeout=200,
+    )
+    return request.param, res, data
+
+
+@pytest.mark.timeout(260)
+def test_a_rank_failing_in_on_train_end_is_named_with_its_hook_under_every_launcher(train_end_failure):
+    name, res, _ = train_end_failure
+    assert res.failed and not res.timed_out, res.describe_failure()
+    labels = re.findall(r"lit_parallel: rank (\d+) failed in (\w+)", res.output)
+    assert ("1", "on_train_end") in labels, res.output[-4000:]
+    # no other rank, and no other hook, is named as the one that failed (rank 0's setup under ddp_spawn was)
+    assert set(labels) == {("1", "on_train_end")}, labels
+
+
+@pytest.mark.timeout(260)
+def test_no_rank_but_0_calls_torch_save_for_a_single_file_checkpoint(train_end_failure):
+    name, _, data = train_end_failure
+    rank0 = (data / "saves_rank0").read_text().splitlines()
+    rank1 = (data / "saves_rank1").read_text().splitlines()
+    # the RNG states of both ranks went into the epoch-end checkpoint without rank 1 pickling anything
+    assert rank1 == [], (name, rank1)
+    written = sorted((data / "ckpt").glob("*.ckpt"))
+    assert [p.name for p in written] == ["epoch0.ckpt"]
+    assert len(rank0) == 1, (name, rank0)  # the spy sees rank 0's one checkpoint write
+    entry = torch.load(written[0], weights_only=True)[RNG_KEY]
+    assert entry["world_size"] == 2 and not torch.equal(
+        entry["ranks"][0]["torch"], entry["ranks"][1]["torch"]
+    )

@@ -341,3 +341,15 @@ def test_a_rank_whose_launching_process_is_gone_says_so_in_its_failure_report(mo
     monkeypatch.setattr(launcher, "_PARENT", launcher._ParentWatchdog(os.getppid()))
     Reliability(ReliabilityOptions(), timeout=None).on_exception(RuntimeError("x"), rank=1)
     assert "is gone" not in capsys.readouterr().err
+
+
+def test_rng_states_are_gathered_on_the_strategys_cuda_device_under_nccl(monkeypatch):
+    # NCCL refuses CPU tensors: the byte tensors must go to the strategy's device (stand-in backend names,
+    # as no CUDA is here); gloo gathers on the CPU
+    from lit_parallel.reliability.checkpoints import collective_device
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    cuda = torch.device("cuda", 3)
+    for backend, expected in (("nccl", cuda), ("cpu:gloo,cuda:nccl", cuda), ("gloo", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert collective_device(cuda) == expected, backend

@@ -637,6 +637,55 @@ def rank0_killed_while_rank1_is_stuck(ctx) -> dict:
     return {}
 
 
+_SAVES: list[str] = []  # this process's torch.save calls (FailsInTrainEnd's spy)
+
+
+class FailsInTrainEnd(NoisyLlama):
+    """Rank 1 raises in ``on_train_end``, after an epoch-end checkpoint. A module-level class: ``ddp_spawn``
+    pickles the Trainer and the model into its processes. In every rank, ``torch.save`` is counted from
+    ``setup`` on; the counts are written to ``<dir>/saves_rank<r>`` at ``on_train_end``."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def setup(self, stage):
+        super().setup(stage)
+        if not _SAVES:
+            original = torch.save
+
+            def counted(obj, f, *args, **kwargs):
+                _SAVES.append(str(f))
+                return original(obj, f, *args, **kwargs)
+
+            _SAVES.append("spy installed")
+            torch.save = counted
+
+    def on_train_end(self):
+        (Path(self.out) / f"saves_rank{self.global_rank}").write_text("\n".join(_SAVES[1:]))
+        if self.global_rank == 1:
+            raise ValueError("failure injected on rank 1 in on_train_end")
+
+
+def rank1_raises_in_on_train_end(ctx) -> dict:
+    """ddp_tuned, one epoch of 2 batches with an epoch-end checkpoint, then rank 1 raises in ``on_train_end``;
+    ``args["start_method"]``: ``"popen"`` (torchrun, Lightning's ``ddp`` launcher) or ``"spawn"``."""
+    out = Path(ctx.args["dir"])
+    ckpt = ModelCheckpoint(
+        dirpath=out / "ckpt",
+        filename="epoch{epoch}",
+        save_top_k=-1,
+        save_on_train_epoch_end=True,
+        auto_insert_metric_name=False,
+    )
+    strategy = make_strategy("ddp_tuned", start_method=ctx.args.get("start_method", "popen"))
+    t = trainer(
+        ctx, strategy, max_epochs=1, limit_train_batches=2, callbacks=[ckpt], enable_checkpointing=True
+    )
+    t.fit(FailsInTrainEnd(str(out)), loader())
+    return {}
+
+
 # --- launches: resharding 4 -> 3 ranks ------------------------------------------------------------------
 
 
