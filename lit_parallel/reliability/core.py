@@ -376,6 +376,16 @@ class ReliabilityCallback(Callback):
         if r is not None:
             r.progress.at("validation_step")
 
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        r = _reliability(trainer)
+        if r is not None:
+            r.progress.at(f"test_step of test batch {batch_idx}")
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        r = _reliability(trainer)
+        if r is not None:
+            r.progress.at(f"predict_step of predict batch {batch_idx}")
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         r = _reliability(trainer)
         if r is not None:

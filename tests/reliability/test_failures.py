@@ -1,11 +1,12 @@
 """Reliability on real gloo ranks: failures, hangs, resume, preemption, integrity, resharding.
 
-Eleven launches: resume + preemption + refusals (torchrun, 2 ranks); hangs (torchrun, 2 ranks, the last
+Twelve launches: resume + preemption + refusals (torchrun, 2 ranks); hangs (torchrun, 2 ranks, the last
 case failing on purpose); recovery after failures (Lightning's launcher, 2 ranks); a rank raising during a
 checkpoint save (torchrun, fails); rank 0 raising, and rank 0 killed, while rank 1 is stuck (Lightning's
 launcher, two failing launches); resharding (4 ranks save, then 3 ranks load: two launches); rank 1 raising
 in on_train_end after an epoch-end checkpoint (three short failing launches: torchrun, Lightning's ddp
-launcher, ddp_spawn), which also spies on torch.save in every rank. Expected values are computed
+launcher, ddp_spawn), which also spies on torch.save in every rank; rank 1 reading its empty fsdp_blocks shard
+in test_step (torchrun, fails). Expected values are computed
 independently: an uninterrupted run for resumed runs, the state gathered at save time for restored ones,
 the wall clock for deadlines.
 """
@@ -457,6 +458,19 @@ def test_a_rank_failing_in_on_train_end_is_named_with_its_hook_under_every_launc
     assert ("1", "on_train_end") in labels, res.output[-4000:]
     # no other rank, and no other hook, is named as the one that failed (rank 0's setup under ddp_spawn was)
     assert set(labels) == {("1", "on_train_end")}, labels
+
+
+@pytest.mark.timeout(260)
+def test_a_rank_reading_its_empty_shard_in_test_step_is_named_with_the_step_and_the_fix(tmp_path_factory):
+    res, _, _ = launch_failing(
+        tmp_path_factory, "test_step_shard", f"{SC}:rank1_reads_an_empty_shard_in_test_step", timeout=200
+    )
+    assert res.failed and not res.timed_out, res.describe_failure()
+    labels = re.findall(r"lit_parallel: rank (\d+) failed in (\w+)", res.output)
+    assert ("1", "test_step") in labels and ("0", "setup") not in labels, labels
+    assert "failed in test_step of test batch 0" in res.output
+    # the error rank 1 raised carries the fix (docs/compatibility.md, "Parameters read outside a forward")
+    assert "param.full_tensor()" in res.output, res.output[-4000:]
 
 
 @pytest.mark.timeout(260)

@@ -686,6 +686,23 @@ def rank1_raises_in_on_train_end(ctx) -> dict:
     return {}
 
 
+class ReadsAShardInTestStep(L.LightningModule):
+    """Lightning's ``test_params_synced_during_nonfit`` model: a ``Linear(1, 1)`` built in ``setup`` (its own
+    FSDP group under fsdp_blocks) whose weight ``test_step`` reads with ``.item()``: rank 1 holds none of it."""
+
+    def setup(self, stage):
+        self.layer = torch.nn.Linear(1, 1)
+
+    def test_step(self, batch, batch_idx):
+        return self.layer.weight.item()
+
+
+def rank1_reads_an_empty_shard_in_test_step(ctx) -> dict:
+    """fsdp_blocks, ``trainer.test`` only: rank 1's ``.item()`` of its empty shard raises in ``test_step``."""
+    trainer(ctx, lp.TransformerFSDPStrategy()).test(ReadsAShardInTestStep(), [0])
+    return {}
+
+
 # --- launches: resharding 4 -> 3 ranks ------------------------------------------------------------------
 
 
