@@ -76,8 +76,8 @@ clean-compat:
 # Lightning's own tests against our strategies, once with Lightning's strategies and once with each of ours
 # (docs/compatibility.md); Lightning's test sources are found through LIT_PARALLEL_LIGHTNING_TESTS or
 # ../shared/lightning-tests. `make test` runs the core files only; CONTRACT_FILES=wide (default: strategy,
-# launcher, checkpoint and restore files, ~20 min on 2 cores) or all (every file naming DDPStrategy, "ddp" or
-# ModelParallelStrategy: hours on 2 cores).
+# launcher, checkpoint, restore, connector, data-loading, combined-loader and trainer files) or all (every
+# file naming DDPStrategy, "ddp" or ModelParallelStrategy: hours on 2 cores).
 CONTRACT_FILES ?= wide
 contract: install
 	$(BIN)/python -m tests.lightning_contract.run --files $(CONTRACT_FILES) --out contract-results

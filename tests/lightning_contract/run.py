@@ -47,8 +47,8 @@ CORE_FILES: dict[str, tuple[str, ...]] = {
     "hsdp": ("strategies/test_model_parallel.py",),
     "tp_dp": ("strategies/test_model_parallel.py",),
 }
-# `--files wide`: every strategy and launcher file, with the checkpointing, restore, accelerator-connector and
-# model-access files that build the substituted strategies (~20 minutes on 2 busy cores; `all` takes hours).
+# `--files wide`: every strategy and launcher file, with the checkpointing, restore, connector, data-loading,
+# combined-loader, trainer and model-access files that build the substituted strategies (`all` takes hours).
 WIDE_FILES = (
     "strategies/test_common.py",
     "strategies/test_ddp.py",
@@ -60,11 +60,17 @@ WIDE_FILES = (
     "strategies/launchers/test_multiprocessing.py",
     "strategies/launchers/test_subprocess_script.py",
     "checkpointing/test_checkpoint_callback_frequency.py",
+    "checkpointing/test_model_checkpoint.py",
     "checkpointing/test_torch_saving.py",
     "models/test_restore.py",
     "overrides/test_distributed.py",
     "trainer/connectors/test_accelerator_connector.py",
+    "trainer/connectors/test_data_connector.py",
     "trainer/properties/test_get_model.py",
+    "trainer/test_dataloaders.py",
+    "trainer/test_ddp_sigterm_handling.py",
+    "trainer/test_trainer.py",
+    "utilities/test_combined_loader.py",
 )
 # Modes that substitute a strategy class name, and the name; the others substitute registry names.
 _NAMES = {
