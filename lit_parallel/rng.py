@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -176,10 +177,7 @@ def state_from_bytes(data: torch.Tensor) -> RNGState:
             return node["v"]
         dtype_name, shape = node["t"]
         dtype = getattr(torch, dtype_name)
-        count = 1
-        for n in shape:
-            count *= n
-        nbytes = count * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         chunk = data[offset : offset + nbytes].clone()
         offset += nbytes
         return chunk.view(dtype).reshape(shape)

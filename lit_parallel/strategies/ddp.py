@@ -211,7 +211,7 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
     def _init_decisions(self) -> None:
         """What the strategy measures and decides during a run (kept afterwards for inspection)."""
         self._probing = False
-        self._wrap_next_batch: bool | None = None
+        self._rewrap_pending = False  # every parameter was used: a wrapper without detection next
         self._compiled_children: list[torch.nn.Module] = []
         self.allreduce_measurement: AllReduceMeasurement | None = None
         self.bucket_plan: BucketPlan | None = None
@@ -280,7 +280,7 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
             )
         else:
             # detection costs a graph traversal per step: a new wrapper without it after this optimizer step
-            self._wrap_next_batch = False
+            self._rewrap_pending = True
             info(
                 "ddp_tuned: the first training step used every trainable parameter: find_unused_parameters=False"
             )
@@ -297,12 +297,12 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
 
     def _rewrap_if_decided(self) -> None:
-        if self._wrap_next_batch is not None:
-            find_unused, self._wrap_next_batch = self._wrap_next_batch, None
+        if self._rewrap_pending:
+            self._rewrap_pending = False
             self._release_wrapper()
             # every rank already holds the same states: no broadcast at construction (it would overwrite
             # per-rank buffers kept with forward_sync_buffers=False)
-            self._wrap(find_unused=find_unused, init_sync=False)
+            self._wrap(find_unused=False, init_sync=False)
 
     def _release_wrapper(self) -> None:
         """Free the DDP wrapper's buckets before a new one allocates its own: drop the wrapper and the
@@ -329,7 +329,7 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
     def teardown(self) -> None:
         self._undo_compile()
         self._probing = False
-        self._wrap_next_batch = None
+        self._rewrap_pending = False
         super().teardown()
 
     def _apply_compile(self, model: torch.nn.Module) -> None:
@@ -451,8 +451,8 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
         """What DDP runs with (``None`` before the model is wrapped and during the probe step)."""
         if self._probing:
             return None
-        if self._wrap_next_batch is not None:
-            return self._wrap_next_batch
+        if self._rewrap_pending:
+            return False
         if isinstance(self.model, DistributedDataParallel):
             return self.model.find_unused_parameters
         return None

@@ -106,28 +106,13 @@ def test_a_reset_parameters_that_replaces_its_buffer_counts_as_initialising_it()
     torch.testing.assert_close(model.inner.cos, torch.arange(8.0).cos(), rtol=0, atol=0)
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        rope_theta=500.0,
-    )
-    return cfg, LlamaForCausalLM
-
-
 def test_hugging_face_llama_on_meta_gets_its_rotary_tables_and_norms_from_its_own_init_weights():
-    cfg, cls = _tiny_llama()
+    from tests.conformance_models import SEQ, VOCAB, llama
+
     torch.manual_seed(0)
-    reference = cls(cfg).eval()
+    reference = llama().eval()
     with torch.device("meta"):
-        model = cls(cfg).eval()
+        model = llama().eval()
     blocks = list(model.model.layers)
     # poison the allocator's pages first: a tensor nobody writes would come back holding this
     torch.full((1 << 16,), float("nan")).sum()
@@ -139,7 +124,7 @@ def test_hugging_face_llama_on_meta_gets_its_rotary_tables_and_norms_from_its_ow
             assert torch.equal(p, torch.ones_like(p)), name
     # with the reference's weights (persistent state) the outputs agree: the rotary tables are right
     model.load_state_dict(reference.state_dict())
-    tokens = torch.randint(0, 64, (2, 16))
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
     torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=0, atol=0)
 
 

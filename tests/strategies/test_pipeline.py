@@ -220,26 +220,10 @@ def test_bf16_mixed_trains_close_to_fp32_with_clipping_across_stages(run2):
     assert per_rank[0]["losses"] != ref["losses"]  # the policy really computed in bf16
 
 
-@pytest.mark.timeout(1600)
-def test_a_smaller_last_batch_gets_its_own_stage_shapes_and_stays_exact(run2):
-    ref = reference_training(
-        sc.build_model(),
-        sc.lm_dataset(60),
-        sc.lm_loss,
-        world_size=1,
-        per_rank_batch=8,
-        max_steps=8,
-        lr=0.1,
-        gradient_clip_val=0.5,
-    )
-    _assert_parity(run2.scenario("smaller_last_batch"), ref, "smaller last batch")
-
-
-@pytest.mark.timeout(1600)
-@pytest.mark.parametrize("schedule", list(sc.LAST_BATCH_FALLBACKS))
-def test_a_last_batch_too_short_for_the_schedule_runs_under_one_of_the_same_layout_exactly(run2, schedule):
-    samples, runner, count = sc.LAST_BATCH_FALLBACKS[schedule]
-    ref = reference_training(
+def _last_batch_reference(samples: int) -> dict:
+    """One process over ``samples`` samples in batches of 8 (the last one shorter), as the smaller_last_batch
+    scenario trains them."""
+    return reference_training(
         sc.build_model(),
         sc.lm_dataset(samples),
         sc.lm_loss,
@@ -249,6 +233,19 @@ def test_a_last_batch_too_short_for_the_schedule_runs_under_one_of_the_same_layo
         lr=0.1,
         gradient_clip_val=0.5,
     )
+
+
+@pytest.mark.timeout(1600)
+def test_a_smaller_last_batch_gets_its_own_stage_shapes_and_stays_exact(run2):
+    ref = _last_batch_reference(60)
+    _assert_parity(run2.scenario("smaller_last_batch"), ref, "smaller last batch")
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("schedule", list(sc.LAST_BATCH_FALLBACKS))
+def test_a_last_batch_too_short_for_the_schedule_runs_under_one_of_the_same_layout_exactly(run2, schedule):
+    samples, runner, count = sc.LAST_BATCH_FALLBACKS[schedule]
+    ref = _last_batch_reference(samples)
     per_rank = [out["fallbacks"][schedule] for out in run2.scenario("smaller_last_batch")]
     _assert_parity(per_rank, ref, f"{schedule} short last batch")
     for out in per_rank:
