@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -58,14 +59,11 @@ if TYPE_CHECKING:
 
 
 def trainer_of(strategy: Strategy) -> pl.Trainer | None:
-    """The Trainer the strategy's module is attached to, if any."""
+    """The Trainer the strategy's module is attached to, if any (a module that is not a LightningModule, or
+    one attached to something else, has none)."""
     module = strategy.lightning_module
-    if module is None:
-        return None
-    try:
-        return module.trainer
-    except RuntimeError:  # not attached
-        return None
+    trainer = _compat.attached_trainer(module) if module is not None else None
+    return trainer if isinstance(trainer, Trainer) else None
 
 
 class Reliability:

@@ -10,11 +10,6 @@ from fnmatch import fnmatch
 
 # anchor in docs/compatibility.md -> why the test cannot pass with our strategy
 REASONS: dict[str, str] = {
-    "process-group-set-up": (
-        "the process group is created by lit_parallel's reliability layer (rendezvous timeout at least torch's"
-        " default, the strategy's timeout set on the groups afterwards, a failure reporter started), so a test"
-        " that mocks torch.distributed.init_process_group and asserts its exact arguments differs"
-    ),
     "error-messages": (
         "the error names our strategy class and says more (what is there, the fix); the test matches"
         " Lightning's wording or class name"
@@ -28,8 +23,13 @@ REASONS: dict[str, str] = {
         " ModelParallelStrategy requires it"
     ),
     "set-up-order": (
-        "the parallel sizes and the device mesh are built in setup_environment(); the test sets private"
-        " attributes and calls setup() without it"
+        "the parallel sizes and the device mesh are built in setup_environment(), the mesh by ParallelDims"
+        " (not Lightning's _setup_device_mesh); the test sets private attributes and calls setup() without"
+        " it, or mocks _setup_device_mesh and the process group"
+    ),
+    "meta-device-states-must-be-initialised": (
+        "a meta-device tensor that no initialiser writes is refused (UninitializedStateError, before any work)"
+        " where Lightning warns and leaves it as uninitialised memory"
     ),
     "foreign-destinations": (
         "a checkpoint is never written into, or over, something the package did not write: a folder that"
@@ -42,7 +42,7 @@ _MP_TESTS = "strategies/test_model_parallel.py::"
 
 # (modes, test id pattern relative to tests_pytorch, anchor)
 ALLOWED: list[tuple[tuple[str, ...], str, str]] = [
-    (_MP, _MP_TESTS + "test_set_timeout", "process-group-set-up"),
+    (_MP, _MP_TESTS + "test_set_timeout", "set-up-order"),
     (_MP, _MP_TESTS + "test_torch_greater_equal_2_4", "error-messages"),
     (_MP, _MP_TESTS + "test_fsdp_v1_modules_unsupported", "error-messages"),
     (_MP, _MP_TESTS + "test_save_checkpoint_storage_options", "error-messages"),
@@ -50,7 +50,7 @@ ALLOWED: list[tuple[tuple[str, ...], str, str]] = [
     (_MP, _MP_TESTS + "test_save_checkpoint_path_exists", "foreign-destinations"),
     (_MP, _MP_TESTS + "test_validate_device_mesh_dimensions[[]*", "model-parallel-sizes"),
     (_MP, _MP_TESTS + "test_configure_model_required", "configure_model-is-optional"),
-    (_MP, _MP_TESTS + "test_meta_device_materialization", "set-up-order"),
+    (_MP, _MP_TESTS + "test_meta_device_materialization", "meta-device-states-must-be-initialised"),
 ]
 
 

@@ -344,49 +344,22 @@ def partial_batches(ctx):
     }
 
 
-# --- the recipe: recipes/gpt.py with recipes/configs/gpt_pp.yaml, as its header's torchrun command -------
-
-
-def recipe_command() -> list[str]:
-    """The arguments after ``torchrun --nproc-per-node=4`` in gpt_pp.yaml's header."""
-    import shlex
-
-    from tests.harness import REPO_ROOT
-
-    for line in (REPO_ROOT / "recipes/configs/gpt_pp.yaml").read_text().splitlines():
-        cmd = shlex.split(line.lstrip("# ")) if line.startswith("#   torchrun --nproc-per-node=4 ") else []
-        if cmd:
-            return cmd[cmd.index("recipes/gpt.py") :]
-    raise AssertionError("gpt_pp.yaml has no 'torchrun --nproc-per-node=4 ...' command in its header")
+# --- the recipe: recipes/gpt.py with recipes/configs/gpt_pp.yaml as written (tests/scenarios/recipes.py) ----
 
 
 def recipe_gpt_pp(ctx):
-    import os
-    import sys
+    """The header's ``torchrun --nproc-per-node=4`` command, to the end of its first validation."""
+    from tests.scenarios.recipes import run_as_written
 
-    from tests.harness import REPO_ROOT
-
-    script, *args = recipe_command()
-    sys.path.insert(0, str(REPO_ROOT / "recipes"))
-    import gpt
-
-    os.chdir(ctx.outdir)  # the config logs to ./runs
-    sys.argv = [script]
-    args = [str(REPO_ROOT / a) if a.startswith("recipes/") else a for a in args]
-    quick = ["--trainer.max_steps=3", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2"]
-    quick += ["--trainer.enable_progress_bar=false", "--model.n_layer=2", "--model.n_embd=64"]
-    quick += ["--data.block_size=32", "--data.batch_size=4", "--data.max_bytes=200000"]
-    cli = gpt.main(args + quick)
-    os.chdir(REPO_ROOT)
+    cli, out = run_as_written("gpt_pp", 4, Path(ctx.outdir) / "gpt_pp")
     t = cli.trainer
-    return {
-        "strategy": type(t.strategy).__name__,
-        "dims": t.strategy.parallel_dims.describe(),
-        "global_step": t.global_step,
-        "train_loss": float(t.callback_metrics["train_loss"]),
-        "val_loss": float(t.callback_metrics["val_loss"]),
-        "checkpoints": sorted(str(p) for p in Path(ctx.outdir).glob("runs/*/version_*/checkpoints/*")),
-    }
+    out["dims"] = t.strategy.parallel_dims.describe()
+    out["microbatches"] = t.strategy._microbatches
+    out["data_parallel"] = t.strategy.parallel_dims.data_parallel
+    out["pipelines"] = sorted({(k[1], k[2]) for k in t.strategy._pipelines})
+    out["val_set"] = len(cli.datamodule.val)
+    out["val_batch"] = cli.datamodule.hparams.batch_size
+    return out
 
 
 # --- a model built on the meta device: reset_parameters or init_from (tests/strategies/test_pipeline.py) ----

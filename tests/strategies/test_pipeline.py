@@ -3,7 +3,7 @@
 Launch A (2 ranks): every schedule at pp2 (parity, reported loss, validation through the stages), the
 missing-hook error, checkpoints across pipeline sizes and strategies. Launch B (4 ranks, shared with tp_dp and the
 callbacks: tests/conftest.py): pp2 x dp2 for the schedules that run with FSDP2, and the recipe
-(recipes/configs/gpt_pp.yaml) as its header's torchrun command. Launch C (8 ranks on two loopback torchrun
+(recipes/configs/gpt_pp.yaml) as written, through its first validation. Launch C (8 ranks on two loopback torchrun
 nodes, shared with tp_dp's 3-D layout: tests/conftest.py): pp2 x dp2 x tp2. Expected values come from tests/reference.py, never from the code under test.
 """
 
@@ -16,6 +16,7 @@ from tests.harness import launch
 from tests.models import GPT, GPTConfig
 from tests.reference import assert_rel_close, collate, rank_orders, reference_training
 from tests.scenarios import pipeline as sc
+from tests.scenarios.recipes import single_machine_command
 
 pytestmark = pytest.mark.multiprocess
 BATCH = 4  # per data-parallel rank
@@ -293,15 +294,35 @@ def test_pp2_dp2_runs_short_last_batches_exactly_in_training_validation_and_test
 
 
 @pytest.mark.timeout(1600)
-def test_gpt_pp_recipe_trains_pp2_x_dp2_and_its_checkpoint_consolidates(four_ranks, tmp_path):
+def test_gpt_pp_recipe_runs_as_written_through_its_validation_and_its_checkpoint_consolidates(
+    four_ranks, tmp_path
+):
+    """recipes/configs/gpt_pp.yaml as its header's torchrun command, shortened only by max_steps: 100 steps of
+    pp2 x dp2 and the first validation over its 20 batches (or the whole set), a short last batch included."""
     import math
     import subprocess
     import sys
 
+    import yaml
+
+    from tests.scenarios.recipes import column, config_path
+
+    config = yaml.safe_load(config_path("gpt_pp").read_text())
     out = four_ranks.scenario("recipe_gpt_pp")[0]
-    assert out["strategy"] == "PipelineParallelStrategy" and out["global_step"] == 3
+    interval = config["trainer"]["val_check_interval"]
+    assert out["strategy"] == "PipelineParallelStrategy" and out["global_step"] == interval
     assert out["dims"].startswith("pipeline_parallel=2 x data_parallel_replicate=1 x data_parallel_shard=2")
-    assert math.isfinite(out["train_loss"]) and math.isfinite(out["val_loss"])
+    losses = column(out["rows"], "train_loss")
+    assert all(math.isfinite(v) for _, v in losses) and losses[-1][1] < losses[0][1] - 1.0, losses
+    assert [step for step, _ in column(out["rows"], "val_loss")] == [interval - 1]
+    # the validation's batches per rank: the set split over the data-parallel ranks, capped by the config
+    per_rank = math.ceil(out["val_set"] / out["data_parallel"])
+    batches = math.ceil(per_rank / out["val_batch"])
+    assert out["num_val_batches"] == [min(batches, config["trainer"]["limit_val_batches"])]
+    last = per_rank - (batches - 1) * out["val_batch"]
+    if batches <= config["trainer"]["limit_val_batches"] and last % out["microbatches"]:
+        # the validation reached its short last batch: fewer micro-batches, each of equal size
+        assert any(count != out["microbatches"] and last % count == 0 for _, count in out["pipelines"])
     (checkpoint,) = out["checkpoints"]
     target = tmp_path / "gpt.pt"
     cmd = [
@@ -316,7 +337,13 @@ def test_gpt_pp_recipe_trains_pp2_x_dp2_and_its_checkpoint_consolidates(four_ran
     ]
     subprocess.run(cmd, check=True, capture_output=True)
     state = torch.load(target, weights_only=True)
-    assert {"wte.weight", "h.0.attn.c_attn.weight", "h.1.mlp.c_proj.weight", "lm_head.weight"} <= set(state)
+    n_layer = config["model"]["n_layer"]
+    assert {
+        "wte.weight",
+        f"h.{n_layer - 1}.attn.c_attn.weight",
+        "h.1.mlp.c_proj.weight",
+        "lm_head.weight",
+    } <= set(state)
 
 
 def test_gpt_pp_config_parses_and_its_header_shows_every_launch(monkeypatch):
@@ -335,7 +362,7 @@ def test_gpt_pp_config_parses_and_its_header_shows_every_launch(monkeypatch):
     assert any(c[0] == "torchrun" and "--nnodes=2" in c and "--trainer.num_nodes=2" in c for c in commands)
     assert any(c[0] == "srun" and "--trainer.num_nodes=2" in c for c in commands)
     assert all("recipes/gpt.py" in c and "recipes/configs/gpt_pp.yaml" in c for c in commands)
-    assert sc.recipe_command()[0] == "recipes/gpt.py"
+    assert single_machine_command("gpt_pp", 4)[0] == "recipes/gpt.py"
     sys.path.insert(0, str(REPO_ROOT / "recipes"))
     import gpt
 
