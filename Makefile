@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A plain `torch` requirement pulls a multi-GB CUDA build; install the CPU build explicitly first.
 TORCH_SPEC ?= torch==2.13.0
 # `make test-compat`: the newest torch pip installs here (a CUDA build; it runs on CPU with gloo), in its own
-# environment, against the unit tier and one launch per strategy (docs/compatibility.md, "Tested versions")
+# environment, against the unit tier and one launch per strategy (docs/reference/versions.md, "Tested versions")
 COMPAT_TORCH_SPEC ?= torch==2.14.1
 COMPAT_VENV ?= .venv-compat
 export OMP_NUM_THREADS ?= 1
@@ -47,7 +47,7 @@ check: lint
 # The unit tier and one launch per strategy on $(COMPAT_TORCH_SPEC): two launches cover all six strategies
 # (Lightning's launcher, 2 ranks: ddp_tuned, fsdp_blocks, hsdp, auto_parallel's choices and the paths of an
 # older torch, forced; the shared 4-rank launch: tp_dp as dp2 x tp2 and pp_dp as pp2 x dp2). From scratch
-# (the environment built, ~6 GB) about 4 minutes on 2 cores; docs/compatibility.md has the matrix.
+# (the environment built, ~6 GB) about 4 minutes on 2 cores; docs/reference/versions.md has the matrix.
 COMPAT_LAUNCH_TESTS := \
 	tests/strategies/test_ddp.py::test_registry_name_under_lightnings_own_launcher_matches_single_process \
 	tests/strategies/test_fsdp.py::test_lightning_launcher_string_names_and_repeated_trainers \
@@ -74,7 +74,7 @@ clean-compat:
 	rm -rf $(COMPAT_VENV)
 
 # Lightning's own tests against our strategies, once with Lightning's strategies and once with each of ours
-# (docs/compatibility.md); Lightning's test sources are found through LIT_PARALLEL_LIGHTNING_TESTS or
+# (docs/explanations/compatibility.md); Lightning's test sources are found through LIT_PARALLEL_LIGHTNING_TESTS or
 # ../shared/lightning-tests. `make test` runs the core files only; CONTRACT_FILES=wide (default: strategy,
 # launcher, checkpoint, restore, connector, data-loading, combined-loader and trainer files) or all (every
 # file naming DDPStrategy, "ddp" or ModelParallelStrategy: hours on 2 cores).
@@ -85,7 +85,9 @@ contract: install
 bench: install
 	$(BIN)/lit-parallel bench all --out bench-results
 
+# the generated sections first (the rule table, the API reference: docs/hooks/generated_sections.py)
 docs: install
+	$(BIN)/python docs/hooks/generated_sections.py
 	$(BIN)/mkdocs build --strict
 
 clean:

@@ -400,7 +400,7 @@ def __getattr__(name: str) -> Any:
 
 
 # --- torch features by version ---------------------------------------------------------------------------
-# Supported: torch 2.11 up to the newest release (docs/compatibility.md, "Tested versions"). Public torch names
+# Supported: torch 2.11 up to the newest release (docs/reference/versions.md, "Tested versions"). Public torch names
 # and arguments younger than the oldest supported torch are entries of FEATURES: the code asks has_feature()
 # and takes another path on an older torch, never failing to import. Where that path gives up something,
 # log_degraded() says so once per process (rank 0), naming the torch version that has the feature.

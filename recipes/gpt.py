@@ -1,4 +1,4 @@
-"""A byte-level GPT (decoder-only transformer) trained with fsdp_blocks, or hsdp across nodes.
+"""A byte-level GPT (decoder-only transformer) trained with fsdp_blocks, hsdp across nodes, or pp_dp.
 
 The model is plain PyTorch and knows nothing about parallelism: ``fsdp_blocks`` finds its transformer
 blocks (the ``GPTBlock`` entries of ``self.model.h``) and shards each one with FSDP2; ``hsdp`` does the
@@ -6,8 +6,8 @@ same inside a node and replicates across nodes. Checkpoints are sharded (one fil
 into a plain ``state_dict`` file with ``lit-parallel consolidate CHECKPOINT out.pt --strip-prefix model.``.
 
 Data: the source code of Python's standard library (on every machine), or ``--data.path=your.txt``.
-Configs: configs/gpt_fsdp.yaml (one node) and configs/gpt_hsdp.yaml (several nodes); their headers have
-the launch commands. Quick start on one machine, 2 CPU processes:
+Configs: configs/gpt_fsdp.yaml (one node), configs/gpt_hsdp.yaml (several nodes) and configs/gpt_pp.yaml
+(pp_dp: pipeline stages, the loss from ``pipeline_loss``); their headers have the launch commands. Quick start on one machine, 2 CPU processes:
 
     python recipes/gpt.py fit --config recipes/configs/gpt_fsdp.yaml
 """

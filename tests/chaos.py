@@ -323,7 +323,7 @@ def one_run(i: int, rng: random.Random, args: argparse.Namespace, refs: dict[str
     faults = [f for f in args.faults if f != "disk_full" or os.geteuid() == 0]
     fault = rng.choice(faults)
     # the stall watchdog leaves a training run's first two steps (compilation, DDP's wrapping) to the
-    # collective timeout (docs/reliability.md): a stall is injected from step 2 on
+    # collective timeout (docs/reference/reliability.md): a stall is injected from step 2 on
     first = 2 if fault == "stall" else 1
     spec = {
         "step": rng.randint(first, args.steps - 2),  # a fault at the last step could land after the run ended

@@ -11,7 +11,7 @@ library.
 Launches (3, each with a timeout): ddp_tuned + auto_parallel, fsdp_blocks + hsdp, tp_dp. A failing cell is
 reported with its error and the others still run. The cells' summary is compared with the committed
 tests/conformance_results.json, from which docs/hooks/supported_models.py generates
-docs/supported-models.md: after a change of behaviour, rerun with ``LP_UPDATE_CONFORMANCE=1`` and then
+docs/reference/supported-models.md: after a change of behaviour, rerun with ``LP_UPDATE_CONFORMANCE=1`` and then
 ``python docs/hooks/supported_models.py``. That mode still checks every cell against the reference loop
 and rewrites the snapshot only when all pass; it skips only the comparison with the committed snapshot,
 and says so.
@@ -360,8 +360,10 @@ def _generator():
 def test_supported_models_page_is_generated_from_the_committed_results():
     gen = _generator()
     expected = gen.render(json.loads(RESULTS_JSON.read_text()))
-    page = (REPO / "docs" / "supported-models.md").read_text()
-    assert page == expected, "docs/supported-models.md is stale: run python docs/hooks/supported_models.py"
+    page = (REPO / "docs" / "reference" / "supported-models.md").read_text()
+    assert page == expected, (
+        "docs/reference/supported-models.md is stale: run python docs/hooks/supported_models.py"
+    )
 
 
 def test_committed_results_cover_every_model_and_strategy_of_the_table():

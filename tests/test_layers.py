@@ -1,7 +1,7 @@
 """The package's layers: a lower layer never imports a higher one, and no module imports itself back through
 others, counting imports made inside functions and under ``TYPE_CHECKING`` (the contract ``make lint`` runs).
 
-The contract is :data:`LAYERS`; docs/architecture.md shows it as a table that a test here holds against it.
+The contract is :data:`LAYERS`; docs/explanations/architecture.md shows it as a table that a test here holds against it.
 Every import statement of every module is read from its source (``ast``), wherever it stands.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lit_parallel"
-ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ARCHITECTURE = ROOT / "docs" / "explanations" / "architecture.md"
 
 # Top to bottom. A module may import modules of its own package and of any layer below its own; packages
 # named in the same row are independent of each other.
@@ -287,7 +287,7 @@ def test_modules_run_by_name_are_launchable(module):
 
 
 def _documented_layers() -> list[list[str]]:
-    """The layer table of docs/architecture.md: one row per layer, its packages in backticks."""
+    """The layer table of docs/explanations/architecture.md: one row per layer, its packages in backticks."""
     text = ARCHITECTURE.read_text()
     start = text.index("<!-- layers -->")
     end = text.index("<!-- /layers -->")

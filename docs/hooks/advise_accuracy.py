@@ -1,4 +1,4 @@
-"""Rebuild docs/advise-accuracy.md: `lit-parallel advise --verify` on the recipes' and the conformance models.
+"""Rebuild docs/explanations/advise-accuracy.md: `lit-parallel advise --verify` on the recipes' and the conformance models.
 
 Run from the repository root (about an hour on 2 CPU cores):
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "advise-accuracy.md"
+PAGE = ROOT / "docs" / "explanations" / "advise-accuracy.md"
 
 # (model, extra advise arguments)
 MODELS = [

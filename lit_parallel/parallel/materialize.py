@@ -34,7 +34,7 @@ from lit_parallel._compat import TorchDispatchMode, storage_key, tree_flatten
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-# The most extra memory (bytes) a rank-0 sync allocates at once (docs/strategies/fsdp_blocks.md).
+# The most extra memory (bytes) a rank-0 sync allocates at once (docs/reference/strategies/fsdp_blocks.md).
 SYNC_CHUNK_BYTES = 64 * 2**20
 
 

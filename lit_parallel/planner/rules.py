@@ -78,10 +78,10 @@ MAX_PARAMS = 10**15
 MAX_MEMORY_GB = 1e5
 
 # The share of a device's memory "fits" keeps free: allocator fragmentation and temporaries the prediction
-# does not count (docs/choosing-a-strategy.md, "Headroom")
+# does not count (docs/how-to/choosing-a-strategy.md, "Headroom")
 DEFAULT_MEMORY_HEADROOM = 0.10
 # Memory a process takes on a GPU outside PyTorch's caching allocator: the CUDA context (kernels, cuBLAS and
-# cuDNN handles and workspaces) and NCCL's communication buffers; an estimate (docs/choosing-a-strategy.md)
+# cuDNN handles and workspaces) and NCCL's communication buffers; an estimate (docs/how-to/choosing-a-strategy.md)
 CUDA_RESERVED_BYTES = 1.0e9
 
 

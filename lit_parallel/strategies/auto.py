@@ -357,7 +357,7 @@ def pipeline_choice(advice: Advice | None, model: Any) -> tuple[str, dict[str, A
     if not callable(getattr(model, "pipeline_loss", None)):
         info(
             "auto_parallel: the advice is pp_dp, but the LightningModule has no pipeline_loss(output, targets)"
-            " (see docs/strategies/pp_dp.md), so fsdp_blocks (sharded over every rank) instead"
+            " (see docs/reference/strategies/pp_dp.md), so fsdp_blocks (sharded over every rank) instead"
         )
         return "fsdp_blocks", {}
     row = advice.row("HSDP")

@@ -128,7 +128,7 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         preemption_signal: ``"auto"`` (SLURM's requeue signal under ``SLURMEnvironment``), a signal, or
             ``None``: on the signal, save ``hpc_ckpt_N.ckpt`` at the next optimizer step, requeue, stop.
         stall_timeout: ``"auto"`` (default), seconds, or ``None``: report where every rank is and end the run
-            when no rank completes a training step for that long (see ``docs/reliability.md``).
+            when no rank completes a training step for that long (see ``docs/reference/reliability.md``).
         auto_resume: ``fit`` without ``ckpt_path`` resumes from the newest complete checkpoint in the
             ModelCheckpoint folders and ``default_root_dir`` (an incomplete newer one is skipped and reported);
             for restarts (``torchrun --max-restarts``, a requeued job). Default ``False``.

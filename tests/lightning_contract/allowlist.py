@@ -1,6 +1,6 @@
 """Lightning tests that may pass with Lightning's strategy and not with ours, each with its reason.
 
-Every reason is a deliberate difference listed in ``docs/compatibility.md``; the key is the anchor of its
+Every reason is a deliberate difference listed in ``docs/explanations/compatibility.md``; the key is the anchor of its
 section there (``tests/lightning_contract/test_lightning_contract.py`` checks that each one exists).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatch
 
-# anchor in docs/compatibility.md -> why the test cannot pass with our strategy
+# anchor in docs/explanations/compatibility.md -> why the test cannot pass with our strategy
 REASONS: dict[str, str] = {
     "error-messages": (
         "the error names our strategy class and says more (what is there, the fix); the test matches"

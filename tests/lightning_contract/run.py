@@ -7,7 +7,7 @@
 Each strategy runs in its own pytest process (:mod:`tests.lightning_contract.plugin`) over the same files;
 outcomes go to ``--out`` (``<strategy>.json``). A test that passes with Lightning's strategy must pass with
 ours unless it is in the allow-list (:mod:`tests.lightning_contract.allowlist`, each entry with its reason,
-the same differences as ``docs/compatibility.md``). Exit status 1 when a test differs without an entry.
+the same differences as ``docs/explanations/compatibility.md``). Exit status 1 when a test differs without an entry.
 
 Lightning's tests are found through ``LIT_PARALLEL_LIGHTNING_TESTS`` (the folder holding ``tests/tests_pytorch``),
 else ``../shared/lightning-tests`` next to this repository, else ``/work/shared/lightning-tests``.

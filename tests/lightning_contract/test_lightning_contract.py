@@ -46,11 +46,13 @@ def test_lightnings_core_tests_pass_with_our_strategy_except_documented_differen
 
 
 def test_every_allow_listed_difference_is_documented_with_its_reason():
-    text = (REPO_ROOT / "docs" / "compatibility.md").read_text()
+    text = (REPO_ROOT / "docs" / "explanations" / "compatibility.md").read_text()
     # mkdocs' anchors: the heading in lower case, without punctuation, spaces as hyphens
     headings = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
     anchors = {re.sub(r"[^\w\- ]", "", h.lower()).strip().replace(" ", "-") for h in headings}
-    assert set(REASONS) <= anchors, f"sections missing in docs/compatibility.md: {set(REASONS) - anchors}"
+    assert set(REASONS) <= anchors, (
+        f"sections missing in docs/explanations/compatibility.md: {set(REASONS) - anchors}"
+    )
     assert {anchor for _, _, anchor in ALLOWED} <= set(REASONS)
 
 

@@ -469,7 +469,7 @@ def test_a_rank_reading_its_empty_shard_in_test_step_is_named_with_the_step_and_
     labels = re.findall(r"lit_parallel: rank (\d+) failed in (\w+)", res.output)
     assert ("1", "test_step") in labels and ("0", "setup") not in labels, labels
     assert "failed in test_step of test batch 0" in res.output
-    # the error rank 1 raised carries the fix (docs/compatibility.md, "Parameters read outside a forward")
+    # the error rank 1 raised carries the fix (docs/explanations/compatibility.md, "Parameters read outside a forward")
     assert "param.full_tensor()" in res.output, res.output[-4000:]
 
 

@@ -103,7 +103,7 @@ class _TinyLM(L.LightningModule):
 
 def test_a_sharded_save_into_a_folder_that_is_not_a_checkpoint_is_refused_and_leaves_it_whole(tmp_path):
     # Lightning's ModelParallelStrategy writes its shards among the folder's files; ours never mixes a
-    # checkpoint into what it did not write (docs/compatibility.md): the error says what to do.
+    # checkpoint into what it did not write (docs/explanations/compatibility.md): the error says what to do.
     folder = tmp_path / "results"
     folder.mkdir()
     (folder / "notes.txt").write_text("the user's own file")

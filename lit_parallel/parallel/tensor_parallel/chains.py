@@ -143,7 +143,10 @@ def _made_up_input(model: nn.Module, example_inputs: Any) -> tuple[Any, str]:
         x = torch.zeros(2, first.in_features, dtype=param.dtype, device=param.device)
         return partial(model, x), ""
     kind = type(first).__name__ if first is not None else "no layer with parameters"
-    return None, f"its first layer is {kind}, so no input can be made up; pass example_inputs=..."
+    return None, (
+        f"its first layer is {kind}, so no input can be made up; set example_input_array on the"
+        " LightningModule (or pass example_inputs= to infer_tp_plan)"
+    )
 
 
 def _owner(model: nn.Module, linears: dict[str, nn.Linear]) -> nn.Module:
@@ -193,7 +196,10 @@ def plan_linear_chains(model: nn.Module, plan: TPPlan, example_inputs: Any = Non
         try:
             flow = trace_chains(model, drive)
         except Exception as err:  # noqa: BLE001 - any failure of user code means "no trace", said in the note
-            why = f"running the model failed ({type(err).__name__}: {err}); pass example_inputs=..."
+            why = (
+                f"running the model failed ({type(err).__name__}: {err}); set example_input_array on the"
+                " LightningModule (or pass example_inputs= to infer_tp_plan)"
+            )
     if flow is None:
         plan.notes.append(f"no transformer blocks, and the model could not be traced: {why}")
         plan.layers += [TPLayer(n, REPLICATED, describe_linear(m), "not traced") for n, m in linears.items()]

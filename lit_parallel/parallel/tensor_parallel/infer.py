@@ -117,7 +117,8 @@ def _plan_structural(
     plan.notes.append(
         "data flow not traced ("
         + (why or f"blocks {', '.join(missing)} did not run")
-        + "); split by module structure. Pass example_inputs=... for the traced plan"
+        + "); split by module structure. For the traced plan, set example_input_array on the LightningModule"
+        " (strategies) or pass example_inputs= (infer_tp_plan)"
     )
     if plan.sequence_parallel:
         raise TPPlanError(
