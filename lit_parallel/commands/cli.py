@@ -80,6 +80,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lit-parallel", description="Fast, correct multi-device training for PyTorch Lightning."
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {importlib.import_module('lit_parallel').__version__}",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         _add(sub, name, module, help_text, name == command)
