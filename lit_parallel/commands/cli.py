@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from lit_parallel.commands.extras import MissingExtraError
+
 # name -> (module, one-line help)
 BENCHMARKS = {
     "ddp": ("lit_parallel.commands.bench.ddp", "ddp_tuned vs Lightning's ddp vs a plain PyTorch DDP loop"),
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, RuntimeError, OSError) as err:  # a clear message, not a traceback
+    except (ValueError, RuntimeError, OSError, MissingExtraError) as err:  # a clear message, not a traceback
         print(f"lit-parallel {args.command}: error: {err}", file=sys.stderr)
         return 2
 
