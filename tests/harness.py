@@ -297,3 +297,41 @@ def _kill_tree(p: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         p.wait()
+
+
+def run_script(script: Path, cwd: Path, *, env: dict[str, str] | None = None, timeout: float = 240.0) -> str:
+    """Run ``python script`` in ``cwd`` as a user would: a script whose Trainer has ``devices=N`` starts the
+    other ranks through Lightning's own launcher (each runs the script again). ``env`` adds variables (a
+    ``PYTHONPATH`` given here goes before the repository's). Returns the output; a failure or a timeout raises
+    :class:`DistributedFailure` with the output's tail."""
+    extra = dict(env or {})
+    run_env = _base_env(None)
+    if "PYTHONPATH" in extra:
+        run_env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), run_env["PYTHONPATH"]])
+    run_env.update(extra)
+    run_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    start = time.monotonic()
+    with open(Path(cwd) / f"{Path(script).stem}.log", "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=cwd,
+            env=run_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+            # the launching rank may end before the ranks it started
+            timed_out = not _wait_group_empty(proc.pid, start + timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _kill_tree(proc)
+        log.seek(0)
+        output = log.read()
+    if timed_out or proc.returncode != 0:
+        how = f"timed out after {timeout:.0f}s" if timed_out else f"exited with {proc.returncode}"
+        raise DistributedFailure(f"python {script} {how}\n----- output (tail) -----\n{output[-6000:]}")
+    return output

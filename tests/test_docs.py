@@ -364,8 +364,9 @@ def _documented_synopses() -> dict[tuple[str, ...], str]:
         current = None
         for line in block.splitlines():
             if line.startswith("lit-parallel "):
-                words = line.split()[1:]
+                words = [w for w in line.split()[1:] if not w.startswith(("[", "-"))]
                 current = (words[0], words[1]) if words[0] == "bench" else (words[0],)
+                current = () if words[0] == "COMMAND" else current
                 synopses[current] = synopses.get(current, "") + " " + line
             elif current and line.startswith(" "):
                 synopses[current] += " " + line
@@ -377,10 +378,10 @@ def _documented_synopses() -> dict[tuple[str, ...], str]:
 def _commands() -> list[tuple[str, ...]]:
     from lit_parallel.commands.cli import BENCHMARKS, COMMANDS
 
-    return [(name,) for name in COMMANDS] + [("bench", name) for name in BENCHMARKS]
+    return [(), *((name,) for name in COMMANDS), *(("bench", name) for name in BENCHMARKS)]
 
 
-@pytest.mark.parametrize("command", _commands(), ids=" ".join)
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "lit-parallel")
 def test_cli_synopsis_lists_exactly_the_options_of_the_parser(command):
     synopsis = _documented_synopses().get(command)
     assert synopsis, f"docs/reference/cli.md has no synopsis for lit-parallel {' '.join(command)}"

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lit_parallel.checkpoint.load import load_lightning_meta, load_sharded, verify_checkpoint
+from lit_parallel.checkpoint.load import load_lightning_meta, load_sharded, model_entry, verify_checkpoint
 from lit_parallel.checkpoint.write import ForeignDestinationError, atomic_save
 
 
@@ -108,12 +108,15 @@ def consolidate_checkpoint(
 def full_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any]:
     """A sharded *Lightning* checkpoint read into one process as the full Lightning checkpoint
     :func:`consolidate_checkpoint` writes (no process group needed). Strategies that hold whole models
-    (``ddp_tuned``) load sharded checkpoints through it."""
+    (``ddp_tuned``) load sharded checkpoints through it. Reads those of ``ModelParallelStrategy`` and the
+    lit_parallel strategies, and those of Lightning's ``FSDPStrategy(state_dict_type="sharded")`` (FSDP1),
+    which keeps the weights under ``"model"``."""
     checkpoint_dir = Path(checkpoint_dir)
     verify_checkpoint(checkpoint_dir)
     raw = load_sharded(checkpoint_dir)
     checkpoint = load_lightning_meta(checkpoint_dir)
-    checkpoint["state_dict"] = {k: v.detach().contiguous().clone() for k, v in raw.pop("state_dict").items()}
+    weights = raw.pop(model_entry(checkpoint_dir))  # "model" when Lightning's FSDPStrategy (FSDP1) wrote it
+    checkpoint["state_dict"] = {k: v.detach().contiguous().clone() for k, v in weights.items()}
     optimizers = sorted((k for k in raw if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_optimizer_state_by_index(raw[k]) for k in optimizers]
     return checkpoint

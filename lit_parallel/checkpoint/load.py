@@ -92,6 +92,27 @@ def read_dcp_metadata(checkpoint_dir: str | Path):
         return _MetadataUnpickler(f, str(path)).load()
 
 
+# Where a sharded Lightning checkpoint keeps the model's weights: "state_dict" (ModelParallelStrategy and every
+# lit_parallel strategy) or "model" (Lightning's FSDPStrategy, FSDP1, with state_dict_type="sharded"). The
+# optimizer states are "optimizer_<i>" in both, keyed by parameter name.
+MODEL_ENTRIES = ("state_dict", "model")
+
+
+def model_entry(checkpoint_dir: str | Path) -> str:
+    """The top-level entry of a sharded Lightning checkpoint that holds the model's weights (one of
+    :data:`MODEL_ENTRIES`), read from DCP's index."""
+    names = read_dcp_metadata(checkpoint_dir).state_dict_metadata
+    entries = {name.split(".", 1)[0] for name in names}
+    for entry in MODEL_ENTRIES:
+        if entry in entries:
+            return entry
+    raise ValueError(
+        f"sharded checkpoint {str(checkpoint_dir)!r} holds no model weights: its entries are"
+        f" {sorted(entries)}, where a Lightning checkpoint has 'state_dict' (ModelParallelStrategy, lit_parallel)"
+        " or 'model' (Lightning's FSDPStrategy); read it with lit_parallel.checkpoint.load_sharded"
+    )
+
+
 def load_lightning_meta(checkpoint_dir: str | Path) -> dict[str, Any]:
     """Lightning's ``meta.pt`` of a sharded checkpoint (loops, callbacks, RNG states), onto the CPU.
 

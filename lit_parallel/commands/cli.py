@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from lit_parallel.commands.extras import MissingExtraError
+
 # name -> (module, one-line help)
 BENCHMARKS = {
     "ddp": ("lit_parallel.commands.bench.ddp", "ddp_tuned vs Lightning's ddp vs a plain PyTorch DDP loop"),
@@ -80,6 +82,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lit-parallel", description="Fast, correct multi-device training for PyTorch Lightning."
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {importlib.import_module('lit_parallel').__version__}",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         _add(sub, name, module, help_text, name == command)
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, RuntimeError, OSError) as err:  # a clear message, not a traceback
+    except (ValueError, RuntimeError, OSError, MissingExtraError) as err:  # a clear message, not a traceback
         print(f"lit-parallel {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ import time
 import warnings
 from typing import Any
 
+from lit_parallel.commands.extras import require_extra
 from lit_parallel.commands.launch import add_worker_arguments
 
 STRATEGIES = ("ddp_tuned", "fsdp_blocks", "auto_parallel")
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         return _worker(args)
     if args.devices < 1 or args.epochs < 1 or args.batch_size < 1:
         raise ValueError("--devices, --epochs and --batch-size must each be at least 1")
-    _load_digits()  # fail here, before starting processes, if scikit-learn is missing
+    require_extra("demo", "the demo's data set (scikit-learn's digits)")  # before any process starts
     from lit_parallel.commands.launch import run_ranks
 
     print(
@@ -65,14 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(r: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
 
+    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
     from lit_parallel.formatting import format_bytes
 
-    table = Table(title="lit-parallel demo", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value")
     strategy = f"{r['strategy']} on {r['world_size']} ranks ({r['backend']})"
     if r.get("auto"):
         strategy += f"; chosen by auto_parallel, {r['auto']}"
@@ -102,25 +100,21 @@ def print_summary(r: dict[str, Any]) -> None:
             "; ".join(r["pitfalls"]) if r["pitfalls"] else "none found (SetEpochCheck, PitfallReport)",
         ),
     ]
-    for k, v in rows:
-        table.add_row(k, str(v))
-    Console().print(table)
-
-
-def _load_digits():
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise RuntimeError("the demo needs scikit-learn: pip install 'lit_parallel[demo]'") from err
-    return load_digits()
+    console = terminal_console()
+    cells = [[f"[bold]{k}[/bold]", escape(str(v))] for k, v in rows]
+    columns = [Column("what"), Column("value", wrap=True)]
+    console.print(
+        fit_table(columns, cells, width=console.width, title="lit-parallel demo", show_header=False)
+    )
 
 
 def _datasets() -> tuple[Any, Any]:
     """Train and validation splits of the digits, the same on every rank (fixed permutation)."""
     import torch
+    from sklearn.datasets import load_digits  # the demo extra: run() has checked that it is installed
     from torch.utils.data import TensorDataset
 
-    digits = _load_digits()
+    digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target, dtype=torch.long)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))

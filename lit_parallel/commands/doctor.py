@@ -154,40 +154,39 @@ def live_checks(args: argparse.Namespace, backend: str) -> tuple[dict[str, Any] 
 
 
 def print_report(env_rows, checks: list[Check], live: dict[str, Any] | None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
 
+    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
     from lit_parallel.formatting import format_bytes
 
-    console = Console()
-    env = Table(title="environment", show_header=False)
-    env.add_column("what", style="bold")
-    env.add_column("value")
-    for k, v in env_rows:
-        env.add_row(k, v)
-    console.print(env)
-    table = Table(title="checks")
-    for col in ("check", "result", "detail"):
-        table.add_column(col)
-    for c in checks:
-        table.add_row(c.name, "[green]ok[/green]" if c.ok else "[red]FAILED[/red]", c.detail)
-    console.print(table)
+    console = terminal_console()
+    width = console.width
+    env = [[f"[bold]{k}[/bold]", escape(v)] for k, v in env_rows]
+    columns = [Column("what"), Column("value", wrap=True)]
+    console.print(fit_table(columns, env, width=width, title="environment", show_header=False))
+    rows = [
+        [escape(c.name), "[green]ok[/green]" if c.ok else "[red]FAILED[/red]", escape(c.detail)]
+        for c in checks
+    ]
+    columns = [Column("check", wrap=True), Column("result"), Column("detail", wrap=True)]
+    console.print(fit_table(columns, rows, width=width, title="checks"))
     for c in checks:
         if not c.ok:
-            console.print(f"[red]{c.name}[/red]: {c.fix}")
+            console.print(f"[red]{escape(c.name)}[/red]: {escape(c.fix)}")
     if live:
-        bw = Table(title=f"all-reduce bandwidth ({live['world_size']} ranks, {live['backend']}, median)")
-        for col in ("size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
-            bw.add_column(col, justify="right")
-        for row in live["bandwidth"]:
-            bw.add_row(
+        columns = [Column(h, "right") for h in ("size", "time (us)", "algbw (GB/s)", "busbw (GB/s)")]
+        rows = [
+            [
                 # the sizes are whole KiB / MiB: "32 MiB" reads better than "32.00 MiB"
                 format_bytes(row["bytes"]).replace(".00 ", " "),
                 f"{row['time_s'] * 1e6:.1f}",
                 f"{row['algbw_gbps']:.3f}",
                 f"{row['busbw_gbps']:.3f}",
-            )
-        console.print(bw)
+            ]
+            for row in live["bandwidth"]
+        ]
+        title = f"all-reduce bandwidth ({live['world_size']} ranks, {live['backend']}, median)"
+        console.print(fit_table(columns, rows, width=width, title=title))
         console.print("busbw = algbw x 2(N-1)/N: comparable with nccl-tests; the link speed bounds it.")
 
 

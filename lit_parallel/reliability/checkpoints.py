@@ -22,7 +22,13 @@ from typing_extensions import override
 
 from lit_parallel import _compat, _logging
 from lit_parallel.checkpoint.convert import full_checkpoint
-from lit_parallel.checkpoint.load import LIGHTNING_META, dcp_load, load_lightning_meta, verify_checkpoint
+from lit_parallel.checkpoint.load import (
+    LIGHTNING_META,
+    dcp_load,
+    load_lightning_meta,
+    model_entry,
+    verify_checkpoint,
+)
 from lit_parallel.checkpoint.write import (
     atomic_save,
     check_replaceable,
@@ -267,9 +273,12 @@ def _load_sharded(strategy: ModelParallelStrategy, path: Path) -> None:
 
     module = strategy.model
     assert module is not None and strategy.lightning_module is not None
-    module_state = {"state_dict": get_model_state_dict(module)}
+    # "model" in a checkpoint of Lightning's FSDPStrategy (FSDP1): its optimizer states are keyed by parameter
+    # name as FSDP2's are, so both load here on any number of ranks
+    entry = model_entry(path)
+    module_state = {entry: get_model_state_dict(module)}
     dcp_load(module_state, path)
-    module.load_state_dict(module_state["state_dict"], strict=strategy.lightning_module.strict_loading)
+    module.load_state_dict(module_state[entry], strict=strategy.lightning_module.strict_loading)
     for i, optimizer in enumerate(strategy.optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}

@@ -4,6 +4,8 @@ every rank.
 No GPU is needed: a storage location tag registered with ``torch.serialization.register_package`` plays
 rank 0's device. Loading without a ``map_location`` hands such a storage to the tag's own loader (which here
 refuses, as the device it names is not this rank's); with ``map_location="cpu"`` it never gets there.
+
+Also: where a sharded Lightning checkpoint keeps the model's weights (``model_entry``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lit_parallel.checkpoint.load import load_lightning_meta
+from lit_parallel.checkpoint.load import load_lightning_meta, model_entry
 from lit_parallel.checkpoint.write import LIGHTNING_META
 from lit_parallel.reliability.checkpoints import ReliableCheckpointIO
 
@@ -72,3 +74,23 @@ def test_a_single_file_checkpoint_loads_onto_the_cpu_unless_a_map_location_is_gi
         io.load_checkpoint(
             path, map_location=lambda storage, loc: None if loc.startswith("rank0") else storage
         )
+
+
+# "state_dict": ModelParallelStrategy and lit_parallel; "model": Lightning's FSDPStrategy (FSDP1)
+@pytest.mark.parametrize("entry", ["state_dict", "model"])
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_model_entry_finds_where_a_sharded_lightning_checkpoint_keeps_the_weights(tmp_path, entry):
+    import torch.distributed.checkpoint as dcp
+
+    state = {entry: {"head.weight": torch.ones(2, 3)}, "optimizer_0": {"param_groups": [{"lr": 0.1}]}}
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    assert model_entry(tmp_path) == entry
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_without_model_weights_is_refused_naming_its_entries(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"weights": {"w": torch.ones(2)}}, checkpoint_id=tmp_path, no_dist=True)
+    with pytest.raises(ValueError, match=r"its entries are \['weights'\].*'state_dict'.*'model'"):
+        model_entry(tmp_path)

@@ -119,6 +119,7 @@ def run_pytest(
 ) -> dict[str, str]:
     """Run ``files`` of Lightning's tests under ``mode``; returns nodeid -> outcome."""
     tests = root / "tests"
+    out.mkdir(parents=True, exist_ok=True)
     results = out / f"{mode}.json"
     if reuse and results.is_file():
         return json.loads(results.read_text())["outcomes"]
@@ -168,6 +169,7 @@ class Comparison:
     allowed: dict[str, str] = field(default_factory=dict)  # test -> reason
     unexplained: dict[str, str] = field(default_factory=dict)  # test -> "lightning outcome -> ours"
     stale: list[str] = field(default_factory=list)  # allow-listed but no longer different
+    flaky: dict[str, str] = field(default_factory=dict)  # test -> first outcome; passed when run again
     unpaired: int = 0  # tests that ran in only one of the two runs
 
     def line(self) -> str:
@@ -176,8 +178,18 @@ class Comparison:
 
         return (
             f"{self.mode:<14} ours {fmt(self.ours):<16} lightning {fmt(self.theirs):<16}"
-            f" allow-listed {len(self.allowed):<3} unexplained {len(self.unexplained):<3} unpaired {self.unpaired}"
+            f" allow-listed {len(self.allowed):<3} unexplained {len(self.unexplained):<3} flaky {len(self.flaky):<2}"
+            f" unpaired {self.unpaired}"
         )
+
+    def rerun(self, outcomes: dict[str, str]) -> None:
+        """A difference that passes when its test runs again (alone, in a fresh pytest process) is flaky,
+        not a difference: it is listed as such (with the first outcome) and counted as passed."""
+        for test, outcome in outcomes.items():
+            if test in self.unexplained and outcome in ("passed", "xpassed"):
+                self.flaky[test] = self.unexplained.pop(test)
+                self.ours["failed"] = self.ours.get("failed", 0) - 1
+                self.ours["passed"] = self.ours.get("passed", 0) + 1
 
 
 def _count(outcomes: dict[str, str]) -> dict[str, int]:
@@ -197,11 +209,18 @@ _ID_NAMES = {
 }
 
 
+def _renamed(mode: str, test: str, back: bool = False) -> str:
+    """A test id of ours with Lightning's class name (or, ``back``, the reverse)."""
+    if mode not in _ID_NAMES:
+        return test
+    ours, lightnings = _ID_NAMES[mode]
+    old, new = (lightnings, ours) if back else (ours, lightnings)
+    return re.sub(rf"\b{old}\b", new, test)
+
+
 def compare(mode: str, ours: dict[str, str], theirs: dict[str, str]) -> Comparison:
     """A test that passes with Lightning's strategy and not with ours is allowed only by the allow-list."""
-    if mode in _ID_NAMES:
-        name, lightnings = _ID_NAMES[mode]
-        ours = {re.sub(rf"\b{name}\b", lightnings, test): outcome for test, outcome in ours.items()}
+    ours = {_renamed(mode, test): outcome for test, outcome in ours.items()}
     common = sorted(set(ours) & set(theirs))
     result = Comparison(mode, _count({t: ours[t] for t in common}), _count({t: theirs[t] for t in common}))
     result.unpaired = len(set(ours) - set(theirs))
@@ -215,6 +234,22 @@ def compare(mode: str, ours: dict[str, str], theirs: dict[str, str]) -> Comparis
         elif reason and ours[test] == theirs[test] == "passed":
             result.stale.append(test)
     return result
+
+
+def rerun_differences(root: Path, comparison: Comparison, out: Path, timeout: int = 300) -> None:
+    """Runs the unexplained differences of ``comparison`` once more, alone in a fresh pytest process; those
+    that pass then are flaky (:meth:`Comparison.rerun`). A SIGABRT at the exit of a ``ddp_spawn`` rank
+    (torch's gloo threads torn down with the interpreter, the group never destroyed) fails Lightning's own
+    strategy too now and then."""
+    if not comparison.unexplained:
+        return
+    mode = comparison.mode
+    tests = [_renamed(mode, t, back=True).split("tests_pytorch/", 1)[-1] for t in comparison.unexplained]
+    try:
+        again = run_pytest(root, mode, tests, out, timeout)
+    except RuntimeError:  # none of them ran
+        again = {}
+    comparison.rerun({_renamed(mode, t): outcome for t, outcome in again.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         ours = run_pytest(root, mode, per_mode[mode], out, args.timeout, args.reuse)
         print(f"{mode}: {len(per_mode[mode])} files, {time.monotonic() - start:.0f}s", flush=True)
-        comparisons.append(compare(mode, ours, theirs))
+        comparison = compare(mode, ours, theirs)
+        if not args.reuse:
+            rerun_differences(root, comparison, out / "rerun", args.timeout)
+        comparisons.append(comparison)
     report = {c.mode: {**c.__dict__} for c in comparisons}
     (out / "comparison.json").write_text(json.dumps(report, indent=1))
     print("passed / failed / skipped on the same tests")
@@ -256,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         print(c.line())
         for test, what in c.unexplained.items():
             print(f"  UNEXPLAINED {test}: {what}")
+        for test, what in c.flaky.items():
+            print(f"  flaky (passed when run again) {test}: {what}")
         for test in c.stale:
             print(f"  allow-listed but passes now (remove the entry): {test}")
     return 1 if any(c.unexplained for c in comparisons) else 0

@@ -287,13 +287,12 @@ def _check_prediction_arguments(args: argparse.Namespace) -> None:
 
 def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D401
     """Peak memory and step time of every strategy; with ``--verify``, predicted vs measured here."""
-    from rich.console import Console
-
     from lit_parallel.commands.advise.compare import print_cluster, print_verification, verify
     from lit_parallel.commands.advise.report import predict, print_prediction
+    from lit_parallel.commands.terminal import terminal_console
     from lit_parallel.parallel.example_inputs import NoExampleInput
 
-    console = Console()
+    console = terminal_console()
     kwargs = parse_model_kwargs(args.model_kwargs)
     try:
         pred = predict(
@@ -331,23 +330,26 @@ def _gb(n: float | None) -> str:
     return "-" if n is None else format_bytes(n, decimal=True)
 
 
-def _advice_table(a: Advice) -> Any:
+def _advice_table(a: Advice, width: int) -> Any:
     """The memory table of :func:`print_advice`: one row per strategy, the recommendation in bold."""
-    from rich.table import Table
+    from lit_parallel.commands.terminal import Column, fit_table
 
     act = a.activations
-    table = Table(title="memory per rank (decimal units: GB = 1e9 bytes)")
-    for col in ("strategy", "lit_parallel", "shards", "params", "grads", "optimizer", "model state"):
-        table.add_column(col, justify="left" if col in ("strategy", "lit_parallel", "shards") else "right")
+    columns = [
+        Column("strategy"),
+        Column("lit_parallel", wrap=True),
+        Column("shards", wrap=True),
+        *(Column(h, "right") for h in ("params", "grads", "optimizer", "model state")),
+    ]
     if act is not None:
-        table.add_column("activations", justify="right")
-        table.add_column("total", justify="right")
-    table.add_column(f"fits {format_bytes(a.usable_bytes, decimal=True)}", justify="center")
+        columns += [Column("activations", "right"), Column("total", "right")]
+    columns.append(Column(f"fits {format_bytes(a.usable_bytes, decimal=True)}", "center"))
+    rows = []
     for r in a.rows:
         cells = [
             r.name,
-            r.strategy or "-",
-            r.sharding,
+            escape(r.strategy or "-"),
+            escape(r.sharding),
             _gb(r.param_bytes),
             _gb(r.grad_bytes),
             _gb(r.optimizer_bytes),
@@ -356,15 +358,21 @@ def _advice_table(a: Advice) -> Any:
         if act is not None:
             cells += [_gb(r.activation_bytes), _gb(r.total_bytes)]
         cells.append("[green]yes[/green]" if r.fits else "[red]no[/red]")
-        style = "bold" if r.strategy == a.recommendation else None
-        table.add_row(*cells, style=style)
-    return table
+        rows.append(cells)
+    styles = ["bold" if r.strategy == a.recommendation else None for r in a.rows]
+    return fit_table(
+        columns,
+        rows,
+        width=width,
+        title="memory per rank (decimal units: GB = 1e9 bytes)",
+        row_styles=styles,
+    )
 
 
 def print_advice(a: Advice) -> None:
-    from rich.console import Console
+    from lit_parallel.commands.terminal import terminal_console
 
-    console = Console()
+    console = terminal_console()
     what = f"{a.model.name}: " if a.model is not None else ""
     b = a.bytes
     console.print(
@@ -381,7 +389,7 @@ def print_advice(a: Advice) -> None:
             f"activations: {format_bytes(act.total_bytes, decimal=True)} per rank for {act.input_description} (micro-batch"
             f" {act.batch_size}; largest block {format_bytes(act.largest_block_bytes, decimal=True)}), traced on the meta device"
         )
-    console.print(_advice_table(a))
+    console.print(_advice_table(a, console.width))
     console.print(ZERO2_NOTE)
     console.print("[bold]rules[/bold] (in order; the first that holds decides):")
     for rule, holds, evidence in a.evaluations:

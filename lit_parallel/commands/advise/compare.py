@@ -288,22 +288,15 @@ def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer:
 
 
 def print_verification(rows: list[dict], console: Any) -> None:
-    from rich.table import Table
+    from lit_parallel.commands.terminal import Column, fit_table
 
-    table = Table(
-        title=f"predicted vs measured on this machine (targets: peak within {MEMORY_TARGET:.0%}, "
-        f"step time within {TIME_TARGET:.0%})"
-    )
-    for col in (
-        "strategy",
-        "figure",
-        "predicted",
-        "measured",
-        "error",
-        "within target",
-        "each round's error",
-    ):
-        table.add_column(col, justify="left" if col in ("strategy", "figure") else "right")
+    columns = [
+        Column("strategy"),
+        Column("figure", wrap=True),
+        *(Column(h, "right") for h in ("predicted", "measured", "error", "within target")),
+        Column("each round's error", "right", wrap=True),
+    ]
+    cells = []
     for row in rows:
         fmt = (
             (lambda v: f"{v * 1e3:.1f} ms")
@@ -313,10 +306,14 @@ def print_verification(rows: list[dict], console: Any) -> None:
         err = "-" if row["error"] is None else f"{row['error']:.1%}"
         ok = {True: "[green]yes[/green]", False: "[red]no[/red]", None: ""}[row["ok"]]
         each = " ".join(f"{e:+.0%}" for e in row.get("round_errors", []))
-        table.add_row(
-            row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"]), err, ok, each
+        cells.append(
+            [row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"]), err, ok, each]
         )
-    console.print(table)
+    title = (
+        f"predicted vs measured on this machine (targets: peak within {MEMORY_TARGET:.0%}, "
+        f"step time within {TIME_TARGET:.0%})"
+    )
+    console.print(fit_table(columns, cells, width=console.width, title=title))
 
 
 def print_cluster(cluster: dict[str, Any], console: Any) -> None:

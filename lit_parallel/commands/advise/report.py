@@ -374,7 +374,7 @@ def pipeline_step_s(pred: Prediction) -> dict[str, float | None]:
 
 
 def print_prediction(pred: Prediction, console: Any) -> None:
-    from rich.table import Table
+    from lit_parallel.commands.terminal import Column, fit_table
 
     r = pred.report
     b = lambda n: format_bytes(n, decimal=True)  # noqa: E731
@@ -383,20 +383,26 @@ def print_prediction(pred: Prediction, console: Any) -> None:
         f"({r.input_description}), {r.precision}; activations by precision (no AC / AC): "
         + ", ".join(f"{p} {b(v['off'])} / {b(v.get('on', v['off']))}" for p, v in r.activations.items())
     )
-    table = Table()
-    for col in ("strategy", *CATEGORIES, "peak", "peak with AC", "at", "step time"):
-        table.add_column(col, justify="left" if col in ("strategy", "at") else "right")
+    columns = [
+        Column("strategy", wrap=True),
+        *(Column(c, "right") for c in (*CATEGORIES, "peak", "peak with AC")),
+        Column("at", wrap=True),
+        Column("step time", "right"),
+    ]
+    rows = []
     for s, p in r.peaks.items():
         t = pred.step_s(s)["step_s"]
-        table.add_row(
-            LABELS[s],
-            *(b(getattr(p, c)) for c in CATEGORIES),
-            b(p.total),
-            b(r.peaks_checkpointed[s].total),
-            p.phase + (f" ({p.moment})" if p.moment else ""),
-            "-" if t is None else f"{t * 1e3:.1f} ms",
+        rows.append(
+            [
+                escape(LABELS[s]),
+                *(b(getattr(p, c)) for c in CATEGORIES),
+                b(p.total),
+                b(r.peaks_checkpointed[s].total),
+                escape(p.phase + (f" ({p.moment})" if p.moment else "")),
+                "-" if t is None else f"{t * 1e3:.1f} ms",
+            ]
         )
-    console.print(table)
+    console.print(fit_table(columns, rows, width=console.width))
     if pred.timing is not None:
         t = pred.timing
         console.print(

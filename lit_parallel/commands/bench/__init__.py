@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lit_parallel.commands.extras import require_extra
+
 # name -> module; the strategy benchmarks run by default, "pp" and "callbacks" on request
 BENCHMARKS = {
     "ddp": "lit_parallel.commands.bench.ddp",
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.devices < 1:
         raise ValueError(f"--devices={args.devices} must be at least 1")
+    require_extra("bench", "the plots bench all draws")  # before any benchmark runs or a file is written
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -105,13 +108,8 @@ def run(args: argparse.Namespace) -> int:
     path = out / "bench.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {path}")
-    try:
-        written = plot(report, out)
-    except ImportError:
-        print("no plots: matplotlib is not installed (pip install 'lit_parallel[bench]')")
-    else:
-        for file in written:
-            print(f"wrote {file}")
+    for file in plot(report, out):
+        print(f"wrote {file}")
     return 1 if errors else 0
 
 

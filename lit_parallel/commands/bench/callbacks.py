@@ -87,21 +87,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
 
     cfg = result["config"]
     base = result["variants"]["none"]
-    table = Table(
-        title=(
-            f"bench callbacks: {cfg['params'] / 1e6:.2f}M-parameter MLP with BatchNorm, {cfg['devices']} ranks"
-            f" ({cfg['backend']}, {cfg.get('strategy', 'ddp')}), batch {cfg['batch_size']}/rank, {cfg['epochs']} epochs x {cfg['steps']} steps,"
-            f" median of {cfg['repeats']} repeats; baseline step {base['train_step_s'] * 1e3:.1f} ms,"
-            f" validation step {base['val_step_s'] * 1e3:.1f} ms"
-        )
+    title = (
+        f"bench callbacks: {cfg['params'] / 1e6:.2f}M-parameter MLP with BatchNorm, {cfg['devices']} ranks"
+        f" ({cfg['backend']}, {cfg.get('strategy', 'ddp')}), batch {cfg['batch_size']}/rank, {cfg['epochs']} epochs x {cfg['steps']} steps,"
+        f" median of {cfg['repeats']} repeats; baseline step {base['train_step_s'] * 1e3:.1f} ms,"
+        f" validation step {base['val_step_s'] * 1e3:.1f} ms"
     )
-    for col in (
-        "callbacks",
+    headers = (
         "train step (ms)",
         "step overhead",
         "hooks/step (us)",
@@ -110,23 +106,27 @@ def print_report(result: dict[str, Any]) -> None:
         "epoch-end share",
         "val step overhead",
         "val hooks/step (us)",
-    ):
-        table.add_column(col, justify="left" if col == "callbacks" else "right")
+    )
+    columns = [Column("callbacks", wrap=True), *(Column(h, "right") for h in headers)]
+    rows = []
     for name in VARIANTS:
         v = result["variants"][name]
         label = name if name != "SyncBatchNormConversion" else "SyncBatchNormConversion (sync cost)"
-        table.add_row(
-            label,
-            f"{v['train_step_s'] * 1e3:.2f}",
-            f"{(v['train_step_ratio'] - 1) * 100:+.1f}%",
-            f"{v['hook_s_per_step'] * 1e6:.0f}",
-            f"{v['hook_s_per_step'] / base['train_step_s'] * 100:.2f}%",
-            f"{v['epoch_end_s'] * 1e3:.2f}",
-            f"{v['epoch_end_share'] * 100:.2f}%",
-            f"{(v['val_step_ratio'] - 1) * 100:+.1f}%",
-            f"{v['val_hook_s_per_step'] * 1e6:.0f}",
+        rows.append(
+            [
+                label,
+                f"{v['train_step_s'] * 1e3:.2f}",
+                f"{(v['train_step_ratio'] - 1) * 100:+.1f}%",
+                f"{v['hook_s_per_step'] * 1e6:.0f}",
+                f"{v['hook_s_per_step'] / base['train_step_s'] * 100:.2f}%",
+                f"{v['epoch_end_s'] * 1e3:.2f}",
+                f"{v['epoch_end_share'] * 100:.2f}%",
+                f"{(v['val_step_ratio'] - 1) * 100:+.1f}%",
+                f"{v['val_hook_s_per_step'] * 1e6:.0f}",
+            ]
         )
-    Console(width=170).print(table)
+    console = terminal_console()
+    console.print(fit_table(columns, rows, width=console.width, title=title))
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -58,30 +58,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
 
     cfg = result["config"]
-    table = Table(
-        title=(
-            f"bench ddp: {cfg['params'] / 1e6:.1f}M-parameter MLP, {cfg['devices']} ranks ({cfg['backend']}),"
-            f" batch {cfg['batch_size']}/rank, median of {cfg['repeats']} repeats x {cfg['steps']} steps"
-        )
+    title = (
+        f"bench ddp: {cfg['params'] / 1e6:.1f}M-parameter MLP, {cfg['devices']} ranks ({cfg['backend']}),"
+        f" batch {cfg['batch_size']}/rank, median of {cfg['repeats']} repeats x {cfg['steps']} steps"
     )
-    for col in ("variant", "step time (ms)", "samples/s", "vs lightning ddp", "vs plain loop", "bytes/step"):
-        table.add_column(col, justify="right" if col != "variant" else "left")
+    columns = [Column("variant")] + [
+        Column(h, "right")
+        for h in ("step time (ms)", "samples/s", "vs lightning ddp", "vs plain loop", "bytes/step")
+    ]
+    rows = []
     for name in VARIANTS:
         v = result["variants"][name]
-        table.add_row(
-            name,
-            f"{v['median_step_s'] * 1e3:.1f}",
-            f"{v['samples_per_s']:.1f}",
-            f"{v['ratio_vs_lightning_ddp']:.3f}",
-            f"{v['ratio_vs_plain']:.3f}",
-            f"{v['bytes_per_step']:,}" if v["bytes_per_step"] is not None else "same reducer",
+        rows.append(
+            [
+                name,
+                f"{v['median_step_s'] * 1e3:.1f}",
+                f"{v['samples_per_s']:.1f}",
+                f"{v['ratio_vs_lightning_ddp']:.3f}",
+                f"{v['ratio_vs_plain']:.3f}",
+                f"{v['bytes_per_step']:,}" if v["bytes_per_step"] is not None else "same reducer",
+            ]
         )
-    console = Console()
-    console.print(table)
+    console = terminal_console()
+    console.print(fit_table(columns, rows, width=console.width, title=title))
     console.print(
         f"ddp_tuned buckets: {result['ddp_tuned']['bucket_caps_mb']} MiB; {result['ddp_tuned']['reason']}"
     )

@@ -62,21 +62,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
     from lit_parallel.formatting import format_bytes
 
     cfg = result["config"]
-    table = Table(
-        title=(
-            f"bench fsdp: {cfg['params'] / 1e6:.2f}M-parameter GPT ({cfg['layers']} blocks, dim {cfg['dim']}),"
-            f" {cfg['devices']} ranks ({cfg['backend']}), batch {cfg['batch_size']}x{cfg['seq']} tokens/rank,"
-            f" AdamW, median of {cfg['repeats']} repeats x {cfg['steps']} steps"
-        )
+    title = (
+        f"bench fsdp: {cfg['params'] / 1e6:.2f}M-parameter GPT ({cfg['layers']} blocks, dim {cfg['dim']}),"
+        f" {cfg['devices']} ranks ({cfg['backend']}), batch {cfg['batch_size']}x{cfg['seq']} tokens/rank,"
+        f" AdamW, median of {cfg['repeats']} repeats x {cfg['steps']} steps"
     )
-    cols = (
-        "variant",
+    headers = (
         "step (ms)",
         "samples/s",
         "vs lightning_mp",
@@ -85,22 +80,24 @@ def print_report(result: dict[str, Any]) -> None:
         "sent/step",
         "vs ddp",
     )
-    for col in cols:
-        table.add_column(col, justify="left" if col == "variant" else "right")
+    columns = [Column("variant"), *(Column(h, "right") for h in headers)]
+    rows = []
     for name in VARIANTS:
         v = result["variants"][name]
-        table.add_row(
-            name,
-            f"{v['median_step_s'] * 1e3:.1f}",
-            f"{v['samples_per_s']:.1f}",
-            f"{v['ratio_vs_lightning_mp']:.3f}",
-            format_bytes(v["state_bytes"]),
-            f"{v['state_vs_zero3']:.3f}",
-            format_bytes(v["sent_bytes_per_step"]),
-            f"{v['sent_vs_ddp']:.3f}",
+        rows.append(
+            [
+                name,
+                f"{v['median_step_s'] * 1e3:.1f}",
+                f"{v['samples_per_s']:.1f}",
+                f"{v['ratio_vs_lightning_mp']:.3f}",
+                format_bytes(v["state_bytes"]),
+                f"{v['state_vs_zero3']:.3f}",
+                format_bytes(v["sent_bytes_per_step"]),
+                f"{v['sent_vs_ddp']:.3f}",
+            ]
         )
-    console = Console(width=max(Console().width, 130))
-    console.print(table)
+    console = terminal_console()
+    console.print(fit_table(columns, rows, width=console.width, title=title))
     console.print(
         f"16P/N = {format_bytes(cfg['zero3_bytes'])}; collectives per step: {result['collectives']}"
     )

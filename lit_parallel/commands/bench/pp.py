@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lit_parallel.commands.extras import require_extra
 from lit_parallel.commands.launch import add_worker_arguments
 
 SCHEDULES = ("GPipe", "1F1B")
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if any(args.batch_size % m for m in counts):
         raise ValueError(f"--batch-size={args.batch_size} must be divisible by every M in {counts}")
+    require_extra("bench", "the timeline and bubble plots bench pp draws")  # before any rank starts
     from lit_parallel.commands.bench.common import launch_and_report
 
     if args.json and args.out == "bench-pp":
@@ -85,28 +87,28 @@ def _counts(text: str) -> list[int]:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
 
     cfg = result["config"]
-    table = Table(
-        title=(
-            f"bench pp: {cfg['params'] / 1e6:.2f}M-parameter GPT, {cfg['devices']} stages ({cfg['backend']}),"
-            f" batch {cfg['batch_size']}, median of {cfg['steps']} steps"
-        )
+    title = (
+        f"bench pp: {cfg['params'] / 1e6:.2f}M-parameter GPT, {cfg['devices']} stages ({cfg['backend']}),"
+        f" batch {cfg['batch_size']}, median of {cfg['steps']} steps"
     )
     p = cfg["devices"]
-    for col in ("schedule", "M", "theory (P-1)/(M+P-1)", *[f"idle rank {r}" for r in range(p)], "step (ms)"):
-        table.add_column(col, justify="right")
-    for row in result["rows"]:
-        table.add_row(
+    headers = ("schedule", "M", "theory (P-1)/(M+P-1)", *[f"idle rank {r}" for r in range(p)], "step (ms)")
+    columns = [Column(h, "right") for h in headers]
+    rows = [
+        [
             row["schedule"],
             str(row["microbatches"]),
             f"{row['theory']:.1%}",
             *[f"{x:.1%}" for x in row["idle"]],
             f"{row['step_s'] * 1e3:.1f}",
-        )
-    Console().print(table)
+        ]
+        for row in result["rows"]
+    ]
+    console = terminal_console()
+    console.print(fit_table(columns, rows, width=console.width, title=title))
     for path in result.get("plots", []):
         print(f"wrote {path}")
 
@@ -229,10 +231,8 @@ def _record(stage, intervals: list) -> None:
 
 
 def _plots(result: dict[str, Any], out: Path) -> list[str]:
-    try:
-        import matplotlib
-    except ImportError:
-        return []
+    import matplotlib  # the bench extra: run() has checked that it is installed
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

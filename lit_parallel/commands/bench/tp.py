@@ -87,44 +87,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
     from lit_parallel.formatting import format_bytes
 
     cfg = result["config"]
-    table = Table(
-        title=(
-            f"bench tp: {cfg['params'] / 1e6:.2f}M-parameter GPT ({cfg['layers']} blocks, dim {cfg['dim']},"
-            f" {cfg['heads']} heads), {cfg['devices']} ranks ({cfg['backend']}), global batch"
-            f" {cfg['global_batch']}x{cfg['seq']} tokens, AdamW, median of {cfg['repeats']} repeats x"
-            f" {cfg['steps']} steps"
-        )
+    title = (
+        f"bench tp: {cfg['params'] / 1e6:.2f}M-parameter GPT ({cfg['layers']} blocks, dim {cfg['dim']},"
+        f" {cfg['heads']} heads), {cfg['devices']} ranks ({cfg['backend']}), global batch"
+        f" {cfg['global_batch']}x{cfg['seq']} tokens, AdamW, median of {cfg['repeats']} repeats x"
+        f" {cfg['steps']} steps"
     )
-    cols = (
-        "variant",
-        "mesh (dp x tp)",
-        "step (ms)",
-        "samples/s",
-        "vs fsdp_blocks",
-        "params/rank",
-        "sent/step",
-    )
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("variant", "mesh (dp x tp)") else "right")
+    headers = ("step (ms)", "samples/s", "vs fsdp_blocks", "params/rank", "sent/step")
+    columns = [Column("variant"), Column("mesh (dp x tp)"), *(Column(h, "right") for h in headers)]
+    rows = []
     for name in VARIANTS:
         v = result["variants"][name]
-        table.add_row(
-            name,
-            v["mesh"],
-            f"{v['median_step_s'] * 1e3:.1f}",
-            f"{v['samples_per_s']:.1f}",
-            f"{v['ratio_vs_fsdp']:.3f}",
-            format_bytes(v["param_bytes"]),
-            format_bytes(v["sent_bytes_per_step"]),
+        rows.append(
+            [
+                name,
+                v["mesh"],
+                f"{v['median_step_s'] * 1e3:.1f}",
+                f"{v['samples_per_s']:.1f}",
+                f"{v['ratio_vs_fsdp']:.3f}",
+                format_bytes(v["param_bytes"]),
+                format_bytes(v["sent_bytes_per_step"]),
+            ]
         )
-    console = Console(width=max(Console().width, 130))
-    console.print(table)
+    console = terminal_console()
+    console.print(fit_table(columns, rows, width=console.width, title=title))
     for name in VARIANTS:
         console.print(f"collectives per step, {name}: {result['variants'][name]['collectives']}")
     console.print(f"per-repeat medians (s): {result['per_repeat']}")

@@ -13,6 +13,8 @@ import importlib
 import time
 from pathlib import Path
 
+from lit_parallel.commands.extras import require_extra
+
 # name -> (module, what it shows)
 EXPERIMENTS = {
     "scaling": (
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"no experiment {unknown[0]!r}; choose one of {', '.join(EXPERIMENTS)} or 'all'")
+    require_extra("bench", "the plots lit-parallel lab draws")  # before any rank starts or a file is written
     out = Path(args.out)
     shared: dict[str, dict] = {}
     if len(names) > 1:  # every 2-rank part in one launch (lab/combined.py): start-up is paid once
