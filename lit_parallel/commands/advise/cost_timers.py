@@ -20,7 +20,7 @@ first all-reduce waits for the other rank to finish the model's step, and that w
 fixed cost; with a barrier before each timed step it is the calibration's, so timing it adds nothing. (The
 FSDP shapes' first collective waits in the same way; an FSDP step synchronises its ranks at every group,
 and the timed figures predict its steps better.) What each choice did to the errors:
-``docs/advise-accuracy.md`` (Noise).
+``docs/explanations/advise-accuracy.md`` (Noise).
 """
 
 from __future__ import annotations

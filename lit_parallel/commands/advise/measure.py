@@ -46,7 +46,7 @@ LAUNCH_STRATEGIES = ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp", "pp_d
 CALIBRATION_REPEATS = 24  # calibration steps: the costs are differences of them, noisier than either
 STEP_REPEATS = 12  # measured steps after the warm-up (their lower quartile is the step time)
 # the launch (and one process) measures everything this many times, interleaved; each round's prediction is
-# compared with that round's steps, and figures are medians over the rounds (why 5: docs/advise-accuracy.md)
+# compared with that round's steps, and figures are medians over the rounds (why 5: docs/explanations/advise-accuracy.md)
 ROUNDS = 5
 # what a launcher tells a rank: hidden while a rank runs a one-process Trainer (Lightning would join the launch)
 _LAUNCH_VARIABLES = (
