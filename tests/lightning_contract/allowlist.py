@@ -27,6 +27,11 @@ REASONS: dict[str, str] = {
         " (not Lightning's _setup_device_mesh); the test sets private attributes and calls setup() without"
         " it, or mocks _setup_device_mesh and the process group"
     ),
+    "pp_dp-needs-a-pipeline": (
+        "pp_dp refuses at set-up a world that pipeline_parallel_size (default 2) does not divide (one process),"
+        " a model with no container of repeated blocks to cut into stages, and save_distributed_checkpoint"
+        " (its checkpoints are always distributed)"
+    ),
     "meta-device-states-must-be-initialised": (
         "a meta-device tensor that no initialiser writes is refused (UninitializedStateError, before any work)"
         " where Lightning warns and leaves it as uninitialised memory"
@@ -38,19 +43,31 @@ REASONS: dict[str, str] = {
 }
 
 _MP = ("fsdp_blocks", "hsdp", "tp_dp")
+_ALL_MP = (*_MP, "pp_dp")
+_PP = ("pp_dp",)
 _MP_TESTS = "strategies/test_model_parallel.py::"
 
 # (modes, test id pattern relative to tests_pytorch, anchor)
 ALLOWED: list[tuple[tuple[str, ...], str, str]] = [
     (_MP, _MP_TESTS + "test_set_timeout", "set-up-order"),
-    (_MP, _MP_TESTS + "test_torch_greater_equal_2_4", "error-messages"),
-    (_MP, _MP_TESTS + "test_fsdp_v1_modules_unsupported", "error-messages"),
-    (_MP, _MP_TESTS + "test_save_checkpoint_storage_options", "error-messages"),
-    (_MP, _MP_TESTS + "test_load_unknown_checkpoint_type", "error-messages"),
+    (_ALL_MP, _MP_TESTS + "test_torch_greater_equal_2_4", "error-messages"),
+    (_ALL_MP, _MP_TESTS + "test_fsdp_v1_modules_unsupported", "error-messages"),
+    (_ALL_MP, _MP_TESTS + "test_save_checkpoint_storage_options", "error-messages"),
+    (_ALL_MP, _MP_TESTS + "test_load_unknown_checkpoint_type", "error-messages"),
     (_MP, _MP_TESTS + "test_save_checkpoint_path_exists", "foreign-destinations"),
-    (_MP, _MP_TESTS + "test_validate_device_mesh_dimensions[[]*", "model-parallel-sizes"),
+    (_ALL_MP, _MP_TESTS + "test_validate_device_mesh_dimensions[[]*", "model-parallel-sizes"),
     (_MP, _MP_TESTS + "test_configure_model_required", "configure_model-is-optional"),
     (_MP, _MP_TESTS + "test_meta_device_materialization", "meta-device-states-must-be-initialised"),
+    # pp_dp: one process, or Lightning's two-layer test models, are not a pipeline
+    (_PP, _MP_TESTS + "test_set_timeout", "pp_dp-needs-a-pipeline"),
+    (_PP, _MP_TESTS + "test_save_checkpoint_path_exists", "pp_dp-needs-a-pipeline"),
+    (_PP, _MP_TESTS + "test_configure_model_required", "pp_dp-needs-a-pipeline"),
+    (_PP, _MP_TESTS + "test_meta_device_materialization", "pp_dp-needs-a-pipeline"),
+    (
+        _PP,
+        "trainer/connectors/test_accelerator_connector.py::test_precision_selection_model_parallel[[]*-False]",
+        "pp_dp-needs-a-pipeline",
+    ),
 ]
 
 

@@ -10,8 +10,9 @@ stands in for what (:data:`MODES`):
   arguments, and the name ``DDPStrategy`` in the test modules is ``TunedDDPStrategy``;
 - ``auto_parallel``: the registry name ``"ddp"`` (also what ``strategy="auto"`` picks for several devices)
   builds :class:`~lit_parallel.AutoStrategy`;
-- ``fsdp_blocks`` / ``hsdp`` / ``tp_dp``: the name ``ModelParallelStrategy`` in the test modules is
-  ``TransformerFSDPStrategy`` / ``HybridShardStrategy`` / ``TensorParallelStrategy``.
+- ``fsdp_blocks`` / ``hsdp`` / ``tp_dp`` / ``pp_dp``: the name ``ModelParallelStrategy`` in the test modules is
+  ``TransformerFSDPStrategy`` / ``HybridShardStrategy`` / ``TensorParallelStrategy`` /
+  ``PipelineParallelStrategy``.
 
 Names are substituted while the test modules are imported (so ``parametrize`` arguments built at import get
 ours too) and restored afterwards, so Lightning's own code keeps its classes. ``--lit-results PATH`` writes
@@ -27,7 +28,7 @@ from typing import Any
 
 import pytest
 
-MODES = ("lightning", "ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp")
+MODES = ("lightning", "ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -68,6 +69,7 @@ def _name_substitutions(mode: str) -> list[tuple[Any, str, Any]]:
         "fsdp_blocks": lp.TransformerFSDPStrategy,
         "hsdp": lp.HybridShardStrategy,
         "tp_dp": lp.TensorParallelStrategy,
+        "pp_dp": lp.PipelineParallelStrategy,
     }
     if mode in ours:
         return [(m, "ModelParallelStrategy", ours[mode]) for m in (strategies, mp_module)]

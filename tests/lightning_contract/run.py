@@ -46,6 +46,7 @@ CORE_FILES: dict[str, tuple[str, ...]] = {
     "fsdp_blocks": ("strategies/test_model_parallel.py",),
     "hsdp": ("strategies/test_model_parallel.py",),
     "tp_dp": ("strategies/test_model_parallel.py",),
+    "pp_dp": ("strategies/test_model_parallel.py",),
 }
 # `--files wide`: every strategy and launcher file, with the checkpointing, restore, connector, data-loading,
 # combined-loader, trainer and model-access files that build the substituted strategies (`all` takes hours).
@@ -79,6 +80,7 @@ _NAMES = {
     "fsdp_blocks": r"ModelParallelStrategy",
     "hsdp": r"ModelParallelStrategy",
     "tp_dp": r"ModelParallelStrategy",
+    "pp_dp": r"ModelParallelStrategy",
 }
 
 
@@ -206,6 +208,7 @@ _ID_NAMES = {
     "fsdp_blocks": ("TransformerFSDPStrategy", "ModelParallelStrategy"),
     "hsdp": ("HybridShardStrategy", "ModelParallelStrategy"),
     "tp_dp": ("TensorParallelStrategy", "ModelParallelStrategy"),
+    "pp_dp": ("PipelineParallelStrategy", "ModelParallelStrategy"),
 }
 
 
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--strategies", nargs="+", default=["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp"]
+        "--strategies", nargs="+", default=["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp"]
     )
     parser.add_argument(
         "--files", nargs="+", default=["core"], help="'core', 'all' or paths under tests_pytorch"

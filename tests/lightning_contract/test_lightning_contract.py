@@ -13,7 +13,7 @@ from tests.harness import REPO_ROOT
 from tests.lightning_contract import run
 from tests.lightning_contract.allowlist import ALLOWED, REASONS
 
-MODES = ["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp"]
+MODES = ["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp"]
 
 
 @pytest.fixture(scope="module")
