@@ -5,11 +5,13 @@ tests/test_readme.py, tests/test_migration.py); docs/explanations/architecture.m
 the convention is written down for contributors:
 
 - ``<!-- fragment -->``: a Python block that is not a whole program (a hook, a call, an excerpt);
-- ``<!-- not run: REASON -->``: a shell block no test runs, and why (GPUs, a cluster, minutes of training);
+- ``<!-- not run: REASON -->``: a block no test runs, and why (GPUs, a cluster, minutes of training, an
+  optional package `make test` does not install);
 - ``<!-- migration-example: NAME -->``: a block of the migration guide that tests/test_migration.py runs.
 
 A block without a marker is run by a test: README.md's Python example by tests/test_readme.py, every other
-complete Python block and every shell command by tests/test_doc_examples.py.
+complete Python block and every shell command by tests/test_doc_examples.py (a recipe's torchrun command by
+tests/test_recipes.py, which runs it from the config's header).
 """
 
 from __future__ import annotations
@@ -105,4 +107,6 @@ def shell_commands(block: Block) -> list[str]:
         pending = ""
         if words:
             commands.append(shlex.join(words))
+    if pending.strip():  # the last line ended with a backslash
+        commands.append(shlex.join(shlex.split(pending, comments=True)))
     return commands

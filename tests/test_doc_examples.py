@@ -33,9 +33,9 @@ from tests.test_migration import GUIDE, GUIDE_BLOCKS
 from tests.test_recipes import CONFIGS as RECIPE_CONFIGS
 
 MIGRATION_GUIDE = str(GUIDE.relative_to(REPO_ROOT))
-HOW_TO_MARK = (
-    "put <!-- fragment --> (Python that is not a whole program) or <!-- not run: REASON --> (a command no"
-    " test can run here: GPUs, a cluster, minutes of training) on the line before the fence"
+MARK_FRAGMENT = "put <!-- fragment --> on the line before the fence if it is not a whole program"
+MARK_NOT_RUN = (
+    "put <!-- not run: REASON --> on the line before the fence (GPUs, a cluster, minutes of training, ...)"
 )
 
 # --- the complete Python examples: what each one trains and prints ------------------------------------------
@@ -288,7 +288,7 @@ def test_every_python_block_is_run_by_a_test_or_marked_a_fragment():
             problems.append(
                 f"{block.where}: a complete Python example with no check: add @check({key!r}) in"
                 f" tests/test_doc_examples.py (what it trains and prints; 2 ranks, or RANKS in"
-                f" tests/scenarios/doc_examples.py), or {HOW_TO_MARK}"
+                f" tests/scenarios/doc_examples.py), or {MARK_FRAGMENT}"
             )
     stale = sorted(set(CHECKS) - set(examples))
     assert not stale, f"CHECKS names examples the docs no longer have (or that are marked now): {stale}"
@@ -307,7 +307,7 @@ def test_every_shell_command_is_run_by_a_test_or_marked_not_run():
             if command not in COMMANDS and command not in run_elsewhere:
                 problems.append(
                     f"{block.where}: `{command}` is run by no test: add it to COMMANDS in"
-                    f" tests/test_doc_examples.py if it is quick on CPU, or {HOW_TO_MARK}"
+                    f" tests/test_doc_examples.py if it is quick on CPU, or {MARK_NOT_RUN}"
                 )
     assert not problems, "\n".join(problems)
     stale = sorted(set(COMMANDS) - shown)
