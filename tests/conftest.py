@@ -28,8 +28,9 @@ def four_ranks(tmp_path_factory, reshard_dir) -> LaunchResult:
     """4 ranks: ``tp_dp`` as data parallel 2 x tensor parallel 2 and its checkpoint
     (``tests.scenarios.tp``), ``pp_dp`` as pp2 x dp2 (also with short last batches) and its recipe
     (``tests.scenarios.pipeline``), the
-    callbacks under a 2 x 2 mesh (``tests.scenarios.callbacks_*``) and the checkpoints that
-    tests/reliability/test_failures.py reshards (``tests.scenarios.reliability:reshard_save``)."""
+    callbacks under a 2 x 2 mesh (``tests.scenarios.callbacks_*``), the checkpoints that
+    tests/reliability/test_failures.py reshards (``tests.scenarios.reliability:reshard_save``) and the docs'
+    4-rank examples (``tests.scenarios.doc_examples``, tests/test_doc_examples.py)."""
     return launch(
         [
             "tests.scenarios.tp:parity_dp2_tp2",
@@ -40,6 +41,7 @@ def four_ranks(tmp_path_factory, reshard_dir) -> LaunchResult:
             "tests.scenarios.callbacks_metrics:tensor_parallel_metrics",
             "tests.scenarios.callbacks_set_epoch:tensor_parallel_set_epoch",
             "tests.scenarios.reliability:reshard_save",
+            "tests.scenarios.doc_examples:four_rank_examples",
         ],
         4,
         tmp_path_factory.mktemp("four"),

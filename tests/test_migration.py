@@ -12,7 +12,6 @@ with ``torch.load`` and with torch's own ``dcp_to_torch_save``, never through li
 from __future__ import annotations
 
 import difflib
-import re
 import runpy
 import shlex
 from pathlib import Path
@@ -21,18 +20,19 @@ import pytest
 import torch
 
 from lit_parallel.commands.cli import main as lit_parallel_cli
+from tests.doc_blocks import marked_block
 from tests.harness import REPO_ROOT, launch, run_script
 from tests.scenarios.migration import PROBE_ENV, write_fsdp1_on_cpu_site, write_probe_plugin
 
 GUIDE = REPO_ROOT / "docs" / "how-to" / "migrate-from-lightning.md"
+GUIDE_BLOCKS = ("before", "after", "commands")  # the guide's blocks these tests run (tests/doc_blocks.py)
 STEPS_PER_EPOCH = 2  # 16 sequences, 2 ranks, batches of 4
 
 
 def guide_block(name: str) -> str:
     """The fenced block that follows ``<!-- migration-example: NAME -->`` in the guide."""
-    match = re.search(rf"<!-- migration-example: {name} -->\n```\w+\n(.*?)\n```", GUIDE.read_text(), re.S)
-    assert match, f"{GUIDE} has no block marked <!-- migration-example: {name} -->"
-    return match.group(1) + "\n"
+    assert name in GUIDE_BLOCKS, name
+    return marked_block(GUIDE, "migration-example", name).text
 
 
 def parameter_names(script: Path) -> list[str]:

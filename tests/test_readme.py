@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 import lit_parallel as lp
 from lit_parallel.commands.cli import build_parser
 from lit_parallel.commands.lab import EXPERIMENTS
+from tests.doc_blocks import PYTHON, blocks_of, shell_commands
 from tests.harness import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
@@ -185,10 +186,10 @@ def test_every_link_in_the_readme_points_to_a_file_of_the_repository():
 
 
 def test_the_two_commands_are_makefile_targets_and_ci_runs_the_test_command():
-    block = re.search(r"## Two commands on a fresh machine\n\n```bash\n(.*?)```", README, re.S)
-    assert block, "README.md has no bash block under '## Two commands on a fresh machine'"
-    commands = [line.split("#")[0].split() for line in block.group(1).splitlines()]
-    assert commands == [["make", "demo"], ["make", "test"]]
+    heading = README.splitlines().index("## Two commands on a fresh machine") + 1
+    after = [b for b in blocks_of(REPO_ROOT / "README.md") if b.line > heading]
+    assert after and after[0].language == "bash", "README.md has no bash block under its two-commands heading"
+    assert shell_commands(after[0]) == ["make demo", "make test"]
     targets = set(re.findall(r"^([a-z-]+):", (REPO_ROOT / "Makefile").read_text(), re.M))
     assert {"demo", "test"} <= targets
     assert re.search(r"^make test$", (REPO_ROOT / ".ci" / "run").read_text(), re.M)
@@ -197,10 +198,10 @@ def test_the_two_commands_are_makefile_targets_and_ci_runs_the_test_command():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_the_readmes_example_trains_on_two_cpu_ranks(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    blocks = [b for b in blocks_of(REPO_ROOT / "README.md") if b.language in PYTHON]
     assert len(blocks) == 1, "README.md's one Python example is run here; a new one needs a test"
     script = tmp_path / "example.py"
-    script.write_text(blocks[0])
+    script.write_text(blocks[0].text)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
     res = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220

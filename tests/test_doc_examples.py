@@ -1,0 +1,353 @@
+"""Every example in README.md and docs/ runs, or says why not (the markers: tests/doc_blocks.py).
+
+- Python: a block is marked a fragment (``<!-- fragment -->``), is a migration-guide script
+  (tests/test_migration.py), is README.md's example (tests/test_readme.py), or is a complete program that
+  runs here as written: one torchrun launch of 2 ranks runs every 2-rank example in turn
+  (tests/scenarios/doc_examples.py), the 4-rank ones run in the shared 4-rank launch (tests/conftest.py),
+  and each is checked for what it trains and prints (``CHECKS``).
+- Shell: a block is marked ``<!-- not run: REASON -->``, is the migration guide's commands, or each of its
+  commands is in ``COMMANDS`` (run here as shown, in a fresh folder) or is a recipe's torchrun command that
+  tests/test_recipes.py runs. A command that changes in the docs fails here until ``COMMANDS`` follows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_parallel.commands.lab import EXPERIMENTS
+from tests.doc_blocks import MARKERS, PYTHON, SHELL, all_blocks, shell_commands
+from tests.harness import REPO_ROOT, launch
+from tests.scenarios.doc_examples import RANKS, complete_examples
+from tests.scenarios.recipes import recipe_module, single_machine_command
+from tests.test_migration import GUIDE, GUIDE_BLOCKS
+from tests.test_recipes import CONFIGS as RECIPE_CONFIGS
+
+MIGRATION_GUIDE = str(GUIDE.relative_to(REPO_ROOT))
+MARK_FRAGMENT = "put <!-- fragment --> on the line before the fence if it is not a whole program"
+MARK_NOT_RUN = (
+    "put <!-- not run: REASON --> on the line before the fence (GPUs, a cluster, minutes of training, ...)"
+)
+
+# --- the complete Python examples: what each one trains and prints ------------------------------------------
+
+# each check gets the example's results, one dict per rank (tests/scenarios/doc_examples.py: "stdout",
+# "warnings", "files", "folder" and its Trainer's "status", "strategy", "global_step", "current_epoch",
+# "world_size", "metrics")
+CHECKS: dict[str, Callable[[list[dict]], None]] = {}
+
+
+def check(key: str):
+    def register(fn: Callable[[list[dict]], None]) -> Callable[[list[dict]], None]:
+        CHECKS[key] = fn
+        return fn
+
+    return register
+
+
+def _trained(runs: list[dict], strategy: str, steps: int) -> None:
+    for rank, run in enumerate(runs):
+        where = f"{run['where']} (rank {rank})"
+        assert run["status"] == "finished" and run["world_size"] == len(runs), where
+        assert run["strategy"] == strategy, f"{where}: {run['strategy']}, not {strategy}"
+        assert run["global_step"] == steps, f"{where}: {run['global_step']} steps, not {steps}"
+
+
+def _last_line(run: dict) -> str:
+    """What the example printed last (rank 0 prints Lightning's progress bar and summary before it)."""
+    return run["stdout"].strip().splitlines()[-1].strip()
+
+
+@check("docs/tutorials/getting-started.md")
+def check_getting_started(runs):
+    _trained(runs, "TunedDDPStrategy", steps=2 * 256 // (2 * 16))  # 2 epochs of 256 samples, 2 ranks x 16
+    assert all("val_loss" in run["metrics"] for run in runs)
+
+
+@check("docs/how-to/checkpoints.md")
+def check_checkpoints(runs):
+    _trained(runs, "TransformerFSDPStrategy", steps=64 // (2 * 8))  # 1 epoch of 64 sequences, 2 ranks x 8
+    folder = Path(runs[0]["folder"])
+    assert (folder / "checkpoints" / "last.ckpt").is_dir()  # sharded: a folder
+    state = torch.load(folder / "tiny_lm.pt", weights_only=True)
+    # TinyLM: the embedding, 4 encoder layers of 12 tensors (attention in/out weight and bias, 2 linears and
+    # 2 norms with weight and bias), the head's weight and bias
+    assert len(state) == 1 + 4 * 12 + 2 and not any(k.startswith("model.") for k in state)
+    assert _last_line(runs[0]) == f"{len(state)} tensors in tiny_lm.pt"
+
+
+@check("docs/how-to/choosing-a-strategy.md")
+def check_choosing_a_strategy(runs):
+    for run in runs:
+        recommendation, state_bytes, *description = run["stdout"].splitlines()
+        assert recommendation == "hsdp"
+        # bf16-mixed: 2 + 2 + 12 bytes per parameter, sharded over the 8 devices of a node
+        assert float(state_bytes) == 7e9 * 16 / 8
+        assert any("-> hsdp (rule 3)" in line for line in description), run["stdout"]
+
+
+@check("docs/reference/strategies/ddp_tuned.md")
+def check_ddp_tuned(runs):
+    _trained(runs, "TunedDDPStrategy", steps=2 * 192 // (2 * 16))  # 2 epochs of 192 samples, 2 ranks x 16
+    assert all("val_loss" in run["metrics"] for run in runs)
+    assert all("buckets" in _last_line(run) for run in runs)
+
+
+@check("docs/reference/strategies/fsdp_blocks.md")
+def check_fsdp_blocks(runs):
+    _trained(runs, "TransformerFSDPStrategy", steps=4)  # max_steps
+    for run in runs:
+        assert "TransformerEncoderLayer: 4 x" in _last_line(run), run["stdout"][-2000:]
+
+
+@check("docs/reference/strategies/hsdp.md")
+def check_hsdp(runs):
+    _trained(runs, "HybridShardStrategy", steps=4)
+    assert all("data_parallel_replicate=2, data_parallel_shard=1" in _last_line(run) for run in runs)
+
+
+@check("docs/reference/strategies/tp_dp.md")
+def check_tp_dp(runs):
+    _trained(runs, "TensorParallelStrategy", steps=4)
+    for run in runs:
+        plan = run["stdout"].split("tensor-parallel plan", 1)[1]
+        assert "tensor_parallel_size=2" in plan and "colwise" in plan and "rowwise" in plan
+
+
+@check("docs/reference/strategies/pp_dp.md")
+def check_pp_dp(runs):
+    assert len(runs) == 4
+    _trained(runs, "PipelineParallelStrategy", steps=4)
+    assert all("train_loss" in run["metrics"] for run in runs)  # "logs train_loss ... on every rank"
+
+
+@check("docs/reference/strategies/auto_parallel.md")
+def check_auto_parallel(runs):
+    _trained(runs, "TunedDDPStrategy", steps=4)  # a tiny model fits: rule 1
+    for run in runs:
+        assert "ddp_tuned TunedDDPStrategy" in run["stdout"].splitlines(), run["stdout"][-2000:]
+        assert "-> ddp_tuned (rule 1)" in run["stdout"]
+
+
+@check("docs/reference/callbacks/cross_rank_metrics.md")
+def check_cross_rank_metrics(runs):
+    for run in runs:
+        assert run["status"] == "finished" and run["global_step"] == 0  # validate only
+        accuracy = run["metrics"]["val_acc"]
+        # 15 samples counted once each: a multiple of 1/15, which k/16 (a padding repeat counted) is not
+        assert abs(accuracy * 15 - round(accuracy * 15)) < 1e-5, accuracy
+        assert f"'val_acc': {accuracy}" in _last_line(run)
+
+
+@check("docs/reference/callbacks/pitfall_report.md")
+def check_pitfall_report(runs):
+    _trained(runs, "TunedDDPStrategy", steps=256 // (2 * 16))
+    assert "'learning-rate scaling'" in _last_line(runs[0])
+    # tuned for 16 samples, run with 2 x 16: SGD's learning rate scales linearly
+    expected_lr = 0.1 * (2 * 16) / 16
+    warned = [w for w in runs[0]["warnings"] if "PitfallReport: learning-rate scaling" in w]
+    assert warned and f"gives {expected_lr:g} " in warned[0], runs[0]["warnings"]
+
+
+@check("docs/reference/callbacks/set_epoch_check.md")
+def check_set_epoch_check(runs):
+    # mode="raise": finishing is the check (Lightning's sampler gets set_epoch)
+    _trained(runs, "TunedDDPStrategy", steps=2 * 64 // (2 * 8))
+    assert all(run["current_epoch"] == 2 for run in runs)
+
+
+@check("docs/reference/callbacks/sync_batchnorm_conversion.md")
+def check_sync_batchnorm_conversion(runs):
+    _trained(runs, "TunedDDPStrategy", steps=64 // (2 * 8))
+    assert all(_last_line(run) == "1" for run in runs)  # ConvNet has one BatchNorm2d
+
+
+# --- the shell commands run here: each with what its output must show -------------------------------------
+
+
+def _recommends(strategy: str) -> Callable[[str, Path], None]:
+    def assert_recommends(output: str, folder: Path) -> None:
+        assert f"recommendation: {strategy} " in output, output[-3000:]
+
+    return assert_recommends
+
+
+def _advise_7b_one_node(output: str, folder: Path) -> None:
+    _recommends("fsdp_blocks")(output, folder)  # choosing-a-strategy.md's worked example
+    assert re.search(r"model state\s+112\.00 GB", output)  # DDP: 7e9 x 16 bytes
+
+
+def _advise_gpt_json(output: str, folder: Path) -> None:
+    advice = json.loads((folder / "gpt.json").read_text())
+    gpt = recipe_module("gpt.py").GPTLanguageModel()
+    assert advice["params"] == sum(p.numel() for p in gpt.parameters())
+    assert advice["recommendation"] and advice["devices"] == 8 and advice["memory_gb"] == 80
+
+
+def _lab_list(output: str, folder: Path) -> None:
+    names = [line.split()[0] for line in output.splitlines() if line.strip()][: len(EXPERIMENTS)]
+    assert names == list(EXPERIMENTS), output
+
+
+COMMANDS: dict[str, Callable[[str, Path], None]] = {
+    "lit-parallel advise --params 7B --devices 8 --memory-gb 80": _advise_7b_one_node,
+    "lit-parallel advise --params 7e9 --devices 8 --memory-gb 80 --block-params 0.2e9": _advise_7b_one_node,
+    "lit-parallel advise --params 70e9 --devices 8 --nodes 4 --memory-gb 80 --block-params 0.8e9": _recommends(
+        "pp_dp"
+    ),
+    "lit-parallel advise --params 7B --devices 8 --nodes 2 --memory-gb 80 --block-params 0.2e9": _recommends(
+        "hsdp"
+    ),
+    "PYTHONPATH=.:recipes lit-parallel advise --model recipes.gpt:GPTLanguageModel --batch-size 8 --devices 8"
+    " --memory-gb 80 --busbw-gbps 90 --latency-us 40 --json gpt.json": _advise_gpt_json,
+    "lit-parallel lab --list": _lab_list,
+}
+
+
+def recipe_test_commands() -> set[str]:
+    """The recipes' one-machine torchrun commands that tests/test_recipes.py runs (from the configs' headers)."""
+    return {
+        shlex.join(["torchrun", "--nproc-per-node=2", *single_machine_command(config, 2)])
+        for config in RECIPE_CONFIGS
+    }
+
+
+def run_as_shown(command: str, folder: Path) -> str:
+    """Runs a docs command in ``folder``: ``lit-parallel`` as this Python's module, leading ``VAR=value``
+    assignments into the environment (relative ``PYTHONPATH`` entries are the clone's folders: the docs run
+    from its root). Returns the output; a non-zero exit fails with it."""
+    words = shlex.split(command)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        if name == "PYTHONPATH":
+            value = os.pathsep.join([*(str(REPO_ROOT / entry) for entry in value.split(":")), env[name]])
+        env[name] = value
+    programs = {"lit-parallel": [sys.executable, "-m", "lit_parallel.commands.cli"]}
+    assert words[0] in programs, f"{command!r}: no way to run {words[0]!r} here"
+    res = subprocess.run(
+        programs[words[0]] + words[1:], cwd=folder, env=env, capture_output=True, text=True, timeout=120
+    )
+    output = res.stdout + res.stderr
+    assert res.returncode == 0, f"{command!r} exited with {res.returncode}:\n{output[-4000:]}"
+    return output
+
+
+# --- every block is run or marked -------------------------------------------------------------------------
+
+
+def test_every_fenced_block_names_its_language():
+    unnamed = [b.where for b in all_blocks() if not b.language]
+    assert not unnamed, (
+        f"fenced blocks without a language: {unnamed}; write ```text for output, ```bash for commands"
+    )
+
+
+def test_every_marker_is_one_the_tests_know():
+    problems = []
+    for block in all_blocks():
+        if block.marker is None:
+            continue
+        if block.marker not in MARKERS:
+            problems.append(f"{block.where}: <!-- {block.marker} --> is not one of {', '.join(MARKERS)}")
+        elif block.marker == "not run" and not block.detail:
+            problems.append(f"{block.where}: <!-- not run --> without a reason: <!-- not run: REASON -->")
+        elif block.marker == "fragment" and block.language not in PYTHON:
+            problems.append(
+                f"{block.where}: <!-- fragment --> marks Python only; a command is <!-- not run -->"
+            )
+        elif block.marker == "migration-example" and (
+            block.path != MIGRATION_GUIDE or block.detail not in GUIDE_BLOCKS
+        ):
+            problems.append(
+                f"{block.where}: <!-- migration-example: {block.detail} --> is not one of the blocks"
+                f" tests/test_migration.py runs ({', '.join(GUIDE_BLOCKS)} in {MIGRATION_GUIDE})"
+            )
+    assert not problems, "\n".join(problems)
+
+
+def test_every_python_block_is_run_by_a_test_or_marked_a_fragment():
+    examples = complete_examples()
+    problems = []
+    for block in all_blocks():
+        if block.language not in PYTHON or block.marker is not None:
+            continue
+        if block.path == "README.md":
+            continue  # tests/test_readme.py runs README.md's one example
+        key = next(k for k, b in examples.items() if b == block)
+        if key not in CHECKS:
+            problems.append(
+                f"{block.where}: a complete Python example with no check: add @check({key!r}) in"
+                f" tests/test_doc_examples.py (what it trains and prints; 2 ranks, or RANKS in"
+                f" tests/scenarios/doc_examples.py), or {MARK_FRAGMENT}"
+            )
+    stale = sorted(set(CHECKS) - set(examples))
+    assert not stale, f"CHECKS names examples the docs no longer have (or that are marked now): {stale}"
+    assert not problems, "\n".join(problems)
+
+
+def test_every_shell_command_is_run_by_a_test_or_marked_not_run():
+    run_elsewhere = recipe_test_commands()
+    shown: set[str] = set()
+    problems = []
+    for block in all_blocks():
+        if block.language not in SHELL or block.marker is not None:
+            continue
+        for command in shell_commands(block):
+            shown.add(command)
+            if command not in COMMANDS and command not in run_elsewhere:
+                problems.append(
+                    f"{block.where}: `{command}` is run by no test: add it to COMMANDS in"
+                    f" tests/test_doc_examples.py if it is quick on CPU, or {MARK_NOT_RUN}"
+                )
+    assert not problems, "\n".join(problems)
+    stale = sorted(set(COMMANDS) - shown)
+    assert not stale, f"COMMANDS runs commands no unmarked docs block shows (update or remove them): {stale}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_each_command_runs_as_shown(command, tmp_path):
+    COMMANDS[command](run_as_shown(command, tmp_path), tmp_path)
+
+
+# --- the complete Python examples run as written ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """One torchrun launch of 2 ranks runs every 2-rank example in turn; its results by example."""
+    res = launch(
+        "tests.scenarios.doc_examples:two_rank_examples",
+        2,
+        tmp_path_factory.mktemp("doc_examples"),
+        timeout=400,
+    )
+    per_rank = res.scenario("two_rank_examples")
+    return {key: [rank[key] for rank in per_rank] for key in per_rank[0]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("key", [k for k in CHECKS if RANKS.get(k, 2) == 2])
+def test_each_two_rank_example_runs_as_written(two_rank_runs, key):
+    assert key in two_rank_runs, f"{key}: no complete example there (is it marked now?)"
+    CHECKS[key](two_rank_runs[key])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("key", [k for k in CHECKS if RANKS.get(k, 2) == 4])
+def test_each_four_rank_example_runs_as_written_in_the_shared_launch(four_ranks, key):
+    per_rank = four_ranks.scenario("four_rank_examples")
+    assert key in per_rank[0], f"{key}: no complete example there (is it marked now?)"
+    CHECKS[key]([rank[key] for rank in per_rank])
