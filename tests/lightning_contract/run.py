@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--strategies", nargs="+", default=["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp"]
+        "--strategies",
+        nargs="+",
+        default=["ddp_tuned", "auto_parallel", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp"],
     )
     parser.add_argument(
         "--files", nargs="+", default=["core"], help="'core', 'all' or paths under tests_pytorch"

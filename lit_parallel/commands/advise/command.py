@@ -149,7 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _add_prediction_arguments(p: argparse.ArgumentParser) -> None:
     """The peak-memory / step-time options (with ``--model``) and ``--json``."""
     p.add_argument(
-        "--json", metavar="PATH", help="also write every figure as JSON (schema: docs/reference/cli.md, advise section)"
+        "--json",
+        metavar="PATH",
+        help="also write every figure as JSON (schema: docs/reference/cli.md, advise section)",
     )
     p.add_argument(
         "--busbw-gbps",
