@@ -174,6 +174,16 @@ def judge_data(ranks: list[dict], limit: float) -> Finding:
     return Finding(check, "ok", text + ".")
 
 
+def _share(share: float, limit: float) -> str:
+    """``share`` in whole percent, with as many decimals as it takes not to read as ``limit`` (10.4 % is
+    above a limit of 10 %; "10%" would not say so)."""
+    for digits in range(4):
+        text = f"{share:.{digits}%}"
+        if share == limit or text != f"{limit:.{digits}%}":
+            return text
+    return text
+
+
 def judge_comm(ranks: list[dict], limit: float, strategy: Any) -> Finding:
     """Share of step time the transfers themselves take (skew between ranks left out), against ``limit``."""
     check = "exposed communication"
@@ -200,7 +210,7 @@ def judge_comm(ranks: list[dict], limit: float, strategy: Any) -> Finding:
     text = (
         "compute waits on collectives for "
         + ", ".join(f"rank {r} {s:.0%}" for r, s in shares)
-        + f" of step time; the transfers themselves (the wait of the last rank to arrive) {share:.0%}"
+        + f" of step time; the transfers themselves (the wait of the last rank to arrive) {_share(share, limit)}"
     )
     if max(s for _, s in shares) > 2 * share + 0.05:
         text += " (the rest: ranks waiting for slower ranks, see stragglers)"

@@ -202,8 +202,8 @@ def test_exposed_communication_detector_fires(run, scenario, fix):
     rank0, rank1 = run.scenario(scenario)
     assert rank0["status"]["exposed communication"] == rank1["status"]["exposed communication"] == "problem"
     evidence = rank0["evidence"]["exposed communication"]
-    transfers = int(
-        re.search(r"the transfers themselves \(the wait of the last rank to arrive\) (\d+)%", evidence)[1]
+    transfers = float(
+        re.search(r"the transfers themselves \(the wait of the last rank to arrive\) ([\d.]+)%", evidence)[1]
     )
     # above the limit the run was judged with (the faulty DDP run: half the default 20 %, see its scenario)
     limit = int(re.search(r"above (\d+)%", evidence)[1])
@@ -248,3 +248,12 @@ def test_wait_timer_times_blocking_and_waited_collectives_once(run):
     windows = [[Window(s, sum(w), tuple(w)) for s, w in zip(o["spans"], o["waits"])] for o in (rank0, rank1)]
     # the transfers themselves: what the last rank to arrive waited, never the first one's wait for it
     assert transfer_waits(windows)[0] <= sum(rank1["waits"][0]) and transfer_waits(windows)[0] < late / 2
+
+
+def test_a_share_near_the_limit_is_printed_with_the_decimals_that_tell_it_apart():
+    from lit_parallel.callbacks.pitfall_timing import _share
+
+    assert _share(0.25, 0.20) == "25%"
+    assert _share(0.104, 0.10) == "10.4%"  # judged above 10 %: "10%" would read as equal
+    assert _share(0.0999, 0.10) == "9.99%"
+    assert _share(0.10, 0.10) == "10%"
