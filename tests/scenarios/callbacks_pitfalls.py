@@ -170,13 +170,15 @@ def faulty_model_and_data(ctx) -> dict:
 
 
 def faulty_communication(ctx) -> dict:
-    """6M parameters and 8 samples per step: the gradient all-reduce is about a third of the step on 2 CPU
-    ranks, whatever the model's size (the optimizer's pass over the parameters grows with it), so the report
-    is judged against half the default limit: other load on the machine can take a few points off the share,
-    never half of it."""
+    """6M parameters and 8 samples per step: the gradient all-reduce takes a large share of the step on 2
+    CPU ranks, whatever the model's size (the optimizer's pass over the parameters grows with it). That share
+    varies with the load on the machine: 11 % to 37 % over four launches on an idle 2-core machine
+    (2026-12-05), under 10 % once in a full suite run; so the report is judged against a quarter of the
+    default limit (5 %), over 24 steps (37 % to 45 % over three launches then). The healthy runs are judged
+    against the default 20 % (13 % measured for the DDP one)."""
     module = MLP(1024, 2048, 1, 0.01, seed_per_rank=True)
-    report = PitfallReport(check_every_n_steps=4, comm_share_limit=0.1)
-    return _run(ctx, module, BatchedData(12, 8, 1024), report)
+    report = PitfallReport(check_every_n_steps=4, comm_share_limit=0.05)
+    return _run(ctx, module, BatchedData(24, 8, 1024), report)
 
 
 def faulty_straggler(ctx) -> dict:
