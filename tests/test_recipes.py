@@ -20,7 +20,14 @@ import torch
 import yaml
 
 from tests.harness import REPO_ROOT, launch
-from tests.scenarios.recipes import column, config_path, header_commands, recipe_module, run_as_written
+from tests.scenarios.recipes import (
+    column,
+    config_path,
+    header_commands,
+    load_config,
+    recipe_module,
+    run_as_written,
+)
 
 CONFIGS = {
     "image_classification": ("image_classification.py", "ddp_tuned"),
@@ -28,10 +35,6 @@ CONFIGS = {
     "gpt_hsdp": ("gpt.py", "lit_parallel.HybridShardStrategy"),
     "llama_tp": ("llama.py", "lit_parallel.TensorParallelStrategy"),
 }
-
-
-def _config(name: str) -> dict:
-    return yaml.safe_load(config_path(name).read_text())
 
 
 # --- runs inside the ranks (tests/harness.py scenario) -----------------------------------------------------
@@ -139,7 +142,7 @@ def test_each_recipe_runs_as_written_through_its_validation(trained):
     }
     for config, strategy in expected.items():
         assert r0[config]["strategy"] == strategy, config
-        trainer = _config(config)["trainer"]
+        trainer = load_config(config)["trainer"]
         rows = r0[config]["rows"]
         losses = _values(rows, "train_loss")
         assert losses and all(math.isfinite(v) for v in losses), config
@@ -152,7 +155,7 @@ def test_each_recipe_runs_as_written_through_its_validation(trained):
             assert losses[-1] < losses[0] - 1.0, (config, losses)
     # digits: every epoch validates; eight epochs of the ResNet are far above chance (0.1)
     image = r0["image_classification"]
-    epochs = _config("image_classification")["trainer"]["max_epochs"]
+    epochs = load_config("image_classification")["trainer"]["max_epochs"]
     assert image["epochs"] == epochs and len(_values(image["rows"], "val_acc")) == epochs
     assert _values(image["rows"], "val_acc")[-1] > 0.9
     assert image["sync_batchnorm_layers"] == 9  # stem + 2 per block + 2 shortcuts
@@ -182,7 +185,9 @@ def test_recipes_log_loss_throughput_and_diagnostics(trained):
     }
     assert _values(r0["gpt_fsdp"]["rows"], "train/lengths")  # tokens
     hparams = yaml.safe_load((Path(r0["gpt_fsdp"]["log_dir"]) / "hparams.yaml").read_text())
-    assert hparams["parallel/blocks_wrapped"].startswith(f"{_config('gpt_fsdp')['model']['n_layer']} blocks")
+    assert hparams["parallel/blocks_wrapped"].startswith(
+        f"{load_config('gpt_fsdp')['model']['n_layer']} blocks"
+    )
 
 
 @pytest.mark.multiprocess
@@ -211,7 +216,7 @@ def test_sharded_gpt_checkpoint_consolidates_into_a_plain_state_dict(trained, tm
     assert re.search(r"wrote .*gpt\.pt: \d+ tensors", res.stdout)
     state = torch.load(output, weights_only=True)
     gpt = recipe_module("gpt.py")
-    config = _config("gpt_fsdp")
+    config = load_config("gpt_fsdp")
     model = gpt.GPT(
         gpt.GPTConfig(
             n_layer=config["model"]["n_layer"],

@@ -25,6 +25,11 @@ def config_path(config: str) -> Path:
     return RECIPES / "configs" / f"{config}.yaml"
 
 
+def load_config(config: str) -> dict:
+    """The config's YAML, as the recipe's LightningCLI reads it."""
+    return yaml.safe_load(config_path(config).read_text())
+
+
 def header_commands(config: str) -> list[list[str]]:
     lines = config_path(config).read_text().splitlines()
     header = [line[1:].strip() for line in lines if line.startswith("#")]
@@ -47,7 +52,7 @@ def single_machine_command(config: str, nproc: int) -> list[str]:
 
 def shortening(config: str) -> list[str]:
     """``max_steps`` = the config's ``val_check_interval`` when it counts steps; nothing when it counts epochs."""
-    trainer = yaml.safe_load(config_path(config).read_text())["trainer"]
+    trainer = load_config(config)["trainer"]
     interval = trainer.get("val_check_interval")
     if isinstance(interval, int) and trainer.get("max_steps", -1) > interval:
         return [f"--trainer.max_steps={interval}"]

@@ -303,11 +303,9 @@ def test_gpt_pp_recipe_runs_as_written_through_its_validation_and_its_checkpoint
     import subprocess
     import sys
 
-    import yaml
+    from tests.scenarios.recipes import column, load_config
 
-    from tests.scenarios.recipes import column, config_path
-
-    config = yaml.safe_load(config_path("gpt_pp").read_text())
+    config = load_config("gpt_pp")
     out = four_ranks.scenario("recipe_gpt_pp")[0]
     interval = config["trainer"]["val_check_interval"]
     assert out["strategy"] == "PipelineParallelStrategy" and out["global_step"] == interval
