@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import nn
 
+from lit_parallel.parallel.expert_parallel.discovery import find_moe_layers
+
 BlockTypes = str | Iterable[type | str] | Callable[[nn.Module], bool]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -195,7 +197,15 @@ def default_group_threshold(total_params: int) -> int:
 
 
 def _auto_blocks(root: nn.Module, total: int, min_fraction: float) -> tuple[list[tuple[str, nn.Module]], str]:
-    everything = _repeated_siblings(root)
+    # an MoE layer's experts repeat too, but they are parts of a block (expert parallelism splits them)
+    experts = [
+        f"{layer.path}.{layer.experts_name}" if layer.path else str(layer.experts_name)
+        for layer in find_moe_layers(root)
+        if layer.kind == "module_list"
+    ]
+    everything = [
+        (n, m) for n, m in _repeated_siblings(root) if not any(n.startswith(e + ".") for e in experts)
+    ]
     if not everything:
         return [], "no container holds two or more sibling modules of one kind with parameterised children"
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from lit_parallel._compat import foreach_mul_
 from lit_parallel.formatting import format_bytes
+from lit_parallel.parallel.expert_parallel.apply import EXPERT_NORM_GROUP
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
 from lit_parallel.parallel.materialize import mesh_device
 from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
@@ -214,14 +215,22 @@ def grad_norm(
     from torch.distributed.tensor import DTensor
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [p.grad for p in params if p.grad is not None]
+    with_grads = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grads]
     if not grads:
         device = params[0].device if params else torch.device("cpu")
         return torch.zeros((), dtype=torch.float32, device=device)
     device = _norm_device(grads)
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(_grad_group_key(g), []).append(g)
+    extra: dict[tuple, dist.ProcessGroup] = {}
+    for p in with_grads:
+        key = _grad_group_key(p.grad)
+        # module-list experts: other expert-parallel ranks hold other experts under the same mesh
+        other = getattr(p, EXPERT_NORM_GROUP, None)
+        if other is not None:
+            key = (*key, str(dist.get_process_group_ranks(other)))
+            extra[key] = other
+        groups.setdefault(key, []).append(p.grad)
     inf = norm_type == float("inf")
     norms = []
     for key in sorted(groups):
@@ -239,6 +248,8 @@ def grad_norm(
             if not placement.is_replicate():
                 op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        if key in extra:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=extra[key])
         norms.append(_moved(value if inf else value ** (1.0 / norm_type), device))
     return torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
 

@@ -13,6 +13,14 @@ working:
 - ``data_parallel``: all ranks that see different data (samplers and metric reductions use it); a
   mesh dimension of its own unless data parallelism is split, then the replicate and shard dimensions
   flattened into one
+- ``expert_parallel`` (``expert_parallel > 1`` only): the ranks an MoE layer's experts are split over. They are
+  borrowed from the data-parallel ranks (as torchtitan does): ``data_parallel`` becomes
+  ``expert_data_parallel x expert_parallel`` flattened, so attention and every non-expert weight stay
+  data-parallel over all of them, while each expert lives on one ``expert_parallel`` coordinate and is
+  FSDP-sharded over ``expert_data_parallel``, the ranks that hold the same experts. Borrowing costs no
+  extra ranks: tokens are already spread over the data-parallel ranks, so each expert sees the tokens of
+  ``expert_parallel`` ranks' batches with one all-to-all each way, where a separate dimension would
+  multiply the world size or idle ranks outside MoE layers.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ DP_SHARD = "data_parallel_shard"
 TP = "tensor_parallel"
 DP = "data_parallel"
 PP = "pipeline_parallel"
+EP = "expert_parallel"
+EDP = "expert_data_parallel"
 # every name a data-parallel mesh dimension can have (metric reductions look for any of them)
 DATA_PARALLEL_DIMS = (DP, DP_REPLICATE, DP_SHARD)
 
@@ -47,6 +57,8 @@ __all__ = [
     "DP",
     "DP_REPLICATE",
     "DP_SHARD",
+    "EDP",
+    "EP",
     "PP",
     "TP",
     "ParallelDims",
@@ -74,6 +86,9 @@ class ParallelDims:
             dimensions leave (``world_size // (data_parallel_replicate * tensor_parallel)``).
         tensor_parallel: tensor-parallel degree (1 = off).
         pipeline_parallel: pipeline stages' ranks (1 = off); the outermost mesh dimension.
+        expert_parallel: ranks an MoE layer's experts are split over (1 = off), borrowed from the
+            data-parallel ranks: it must divide ``data_parallel_shard``; data parallelism may not be
+            replicated (HSDP) with it.
     """
 
     world_size: int
@@ -84,20 +99,31 @@ class ParallelDims:
     pipeline_dim: bool = (
         False  # a pipeline_parallel mesh dimension even of size 1 (pp_dp with one stage rank)
     )
+    expert_parallel: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "data_parallel_replicate", "tensor_parallel", "pipeline_parallel"):
+        for name in (
+            "world_size",
+            "data_parallel_replicate",
+            "tensor_parallel",
+            "pipeline_parallel",
+            "expert_parallel",
+        ):
             check_size(name, getattr(self, name))
         shard = self.data_parallel_shard
         if not isinstance(shard, int) or isinstance(shard, bool) or (shard < 1 and shard != -1):
             raise ValueError(
                 f"data_parallel_shard={shard!r} must be a positive integer or -1 (use the ranks left over)"
             )
-        rep, tp, world = self.data_parallel_replicate, self.tensor_parallel, self.world_size
         if self.pp_enabled:
             self._check_with_pipeline(shard)
-            return
+        else:
+            self._check_without_pipeline(shard)
+        self._check_expert_parallel()
+
+    def _check_without_pipeline(self, shard: int) -> None:
+        rep, tp, world = self.data_parallel_replicate, self.tensor_parallel, self.world_size
         if shard == -1:
             if world % (rep * tp) != 0:
                 raise ValueError(
@@ -113,6 +139,23 @@ class ParallelDims:
                 f" the number of ranks"
             )
 
+    def _check_expert_parallel(self) -> None:
+        ep, shard, rep = self.expert_parallel, self.data_parallel_shard, self.data_parallel_replicate
+        if ep == 1:
+            return
+        if rep > 1:
+            raise ValueError(
+                f"expert_parallel={ep} with data_parallel_replicate={rep}: expert parallelism borrows its ranks"
+                " from the data-parallel ranks of one FSDP group and does not combine with replication (HSDP)"
+                " yet; use data_parallel_replicate_size=1 (plain FSDP over all data-parallel ranks) or"
+                " expert_parallel_size=1"
+            )
+        if shard % ep:
+            raise ValueError(
+                f"expert_parallel={ep} does not divide the data-parallel size {shard}: expert-parallel ranks"
+                f" are borrowed from the data-parallel ranks; choose {format_choices(divisors(shard))}"
+            )
+
     # --- one constructor per layout ----------------------------------------------------------------------
 
     @classmethod
@@ -121,9 +164,10 @@ class ParallelDims:
         return cls(world_size=world_size)
 
     @classmethod
-    def for_fsdp(cls, world_size: int) -> ParallelDims:
-        """FSDP: every rank holds 1/world_size of the model and reads different data."""
-        return cls(world_size=world_size)
+    def for_fsdp(cls, world_size: int, expert_parallel: int = 1) -> ParallelDims:
+        """FSDP: every rank holds 1/world_size of the model and reads different data; with
+        ``expert_parallel > 1`` an MoE layer's experts are split over that many of them."""
+        return cls(world_size=world_size, expert_parallel=expert_parallel)
 
     @classmethod
     def for_hybrid_shard(cls, world_size: int, shard_size: int, tensor_parallel: int = 1) -> ParallelDims:
@@ -154,6 +198,7 @@ class ParallelDims:
         data_parallel: Size = "auto",
         tensor_parallel: Size = "auto",
         data_parallel_replicate: int = 1,
+        expert_parallel: int = 1,
     ) -> ParallelDims:
         """Dims for TP + FSDP (2-D) or TP + HSDP (3-D, ``data_parallel_replicate > 1``).
 
@@ -190,6 +235,7 @@ class ParallelDims:
                 data_parallel_replicate=rep,
                 data_parallel_shard=dp // rep,
                 tensor_parallel=tp,
+                expert_parallel=expert_parallel,
             )
         except ValueError as err:
             raise ValueError(
@@ -228,6 +274,7 @@ class ParallelDims:
         data_parallel: Size = "auto",
         data_parallel_replicate: int = 1,
         tensor_parallel: int = 1,
+        expert_parallel: int = 1,
     ) -> ParallelDims:
         """Dims for pipeline parallelism (outermost) x data parallelism (FSDP/HSDP) x tensor parallelism."""
         pp, tp, rep = pipeline_parallel, tensor_parallel, data_parallel_replicate
@@ -256,6 +303,7 @@ class ParallelDims:
             tensor_parallel=tp,
             pipeline_parallel=pp,
             pipeline_dim=True,
+            expert_parallel=expert_parallel,
         )
 
     # --- sizes --------------------------------------------------------------------------------------------
@@ -274,6 +322,16 @@ class ParallelDims:
         return self.tensor_parallel > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        """MoE experts are split over an ``expert_parallel`` mesh dimension."""
+        return self.expert_parallel > 1
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks that hold the same experts (FSDP shards them over these): data-parallel size / expert_parallel."""
+        return self.data_parallel // self.expert_parallel
+
+    @property
     def pp_enabled(self) -> bool:
         """The mesh has a ``pipeline_parallel`` dimension."""
         return self.pipeline_parallel > 1 or self.pipeline_dim
@@ -286,7 +344,10 @@ class ParallelDims:
     def mesh_dim_names(self) -> tuple[str, ...]:
         """Dimensions of the mesh :meth:`build_mesh` creates: ``(data_parallel, tensor_parallel)`` (as
         Lightning's ModelParallelStrategy) unless data parallelism is split into replicate x shard."""
-        names = (DP_REPLICATE, DP_SHARD, TP) if self.replicate_enabled else (DP, TP)
+        if self.ep_enabled:
+            names: tuple[str, ...] = (EDP, EP, TP)
+        else:
+            names = (DP_REPLICATE, DP_SHARD, TP) if self.replicate_enabled else (DP, TP)
         return (PP, *names) if self.pp_enabled else names
 
     @property
@@ -314,11 +375,20 @@ class ParallelDims:
                 f" {dist.get_world_size()}"
             )
         shared = _MESHES_BY_GROUP.setdefault(dist.group.WORLD, {}) if dist.is_initialized() else {}
-        key = (self.shape, self.replicate_enabled, device_type, self.pipeline_parallel, self.pp_enabled)
+        key = (
+            self.shape,
+            self.replicate_enabled,
+            device_type,
+            self.pipeline_parallel,
+            self.pp_enabled,
+            self.expert_parallel,
+        )
         if key in shared:
             self._mesh = shared[key]
             return self._mesh
-        if self.pp_enabled:
+        if self.ep_enabled:
+            mesh = self._build_expert_mesh(device_type)
+        elif self.pp_enabled:
             mesh = self._build_pipeline_mesh(device_type)
         elif not self.replicate_enabled:
             mesh = init_device_mesh(
@@ -344,6 +414,19 @@ class ParallelDims:
         flatten_mesh(mesh[(DP_REPLICATE, DP_SHARD)], DP)
         return mesh
 
+    def _build_expert_mesh(self, device_type: str) -> DeviceMesh:
+        """``([pipeline_parallel,] expert_data_parallel, expert_parallel, tensor_parallel)`` with
+        ``data_parallel`` = (expert_data_parallel, expert_parallel) flattened: consecutive data-parallel ranks
+        share experts' tokens (one all-to-all group), and data-parallel rank order is the plain one."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = self.mesh_dim_names
+        sizes = {PP: self.pipeline_parallel, EDP: self.expert_data_parallel, EP: self.expert_parallel}
+        shape = tuple(sizes.get(n, self.tensor_parallel) for n in names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        flatten_mesh(mesh[(EDP, EP)], DP)
+        return mesh
+
     @property
     def mesh(self) -> DeviceMesh:
         """The mesh :meth:`build_mesh` built."""
@@ -355,6 +438,8 @@ class ParallelDims:
 
     def data_parallel_mesh(self) -> DeviceMesh:
         """The 1-D mesh of all data-parallel ranks (the flattened dimension when data parallelism is split)."""
+        if self.ep_enabled:
+            return flatten_mesh(self.mesh[(EDP, EP)], DP)
         if self.replicate_enabled:
             # flattening again returns the mesh flattened in build_mesh (slicing it from the root is deprecated)
             return flatten_mesh(self.mesh[(DP_REPLICATE, DP_SHARD)], DP)
@@ -362,8 +447,28 @@ class ParallelDims:
 
     def fsdp_mesh(self) -> DeviceMesh:
         """The sub-mesh FSDP shards (1-D) or hybrid-shards (2-D: Replicate, Shard) over."""
+        if self.ep_enabled:
+            return self.data_parallel_mesh()
         names = self.fsdp_dim_names
         return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+
+    def expert_mesh(self) -> DeviceMesh:
+        """The 1-D ``expert_parallel`` sub-mesh: the ranks one MoE layer's experts are split over (its
+        all-to-all group)."""
+        if not self.ep_enabled:
+            raise RuntimeError(
+                "expert_mesh(): expert_parallel is 1, the mesh has no expert_parallel dimension"
+            )
+        return self.mesh[EP]
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The 1-D ``expert_data_parallel`` sub-mesh FSDP shards the experts over (the ranks holding the same
+        experts)."""
+        if not self.ep_enabled:
+            raise RuntimeError(
+                "expert_fsdp_mesh(): expert_parallel is 1, the mesh has no expert_data_parallel dimension"
+            )
+        return self.mesh[EDP]
 
     def tp_mesh(self) -> DeviceMesh:
         """The 1-D tensor-parallel sub-mesh."""
@@ -375,7 +480,13 @@ class ParallelDims:
 
     def describe(self) -> str:
         pp = f"pipeline_parallel={self.pipeline_parallel} x " if self.pp_enabled else ""
+        ep = (
+            f" (expert_parallel={self.expert_parallel} of them: expert_data_parallel={self.expert_data_parallel}"
+            f" x expert_parallel={self.expert_parallel})"
+            if self.ep_enabled
+            else ""
+        )
         return pp + (
             f"data_parallel_replicate={self.data_parallel_replicate} x data_parallel_shard="
-            f"{self.data_parallel_shard} x tensor_parallel={self.tensor_parallel} (world size {self.world_size})"
+            f"{self.data_parallel_shard}{ep} x tensor_parallel={self.tensor_parallel} (world size {self.world_size})"
         )

@@ -17,7 +17,7 @@ belongs first, before tensor parallelism, so that each stage is parallelized on 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
+from lit_parallel.parallel.expert_parallel import apply_expert_parallel, shard_experts
 from lit_parallel.parallel.fsdp import apply_fsdp
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_blocks, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
@@ -32,6 +33,7 @@ from lit_parallel.parallel.mesh import ParallelDims
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+    from lit_parallel.parallel.expert_parallel import ExpertParallelPlan
     from lit_parallel.parallel.tensor_parallel import TPPlan
 
 
@@ -42,6 +44,9 @@ class ParallelizeConfig:
     Args:
         block_types: what the transformer blocks are (see :func:`find_transformer_blocks`) or a ready plan.
         tp_plan: a tensor-parallel plan to apply over ``dims``' ``tensor_parallel`` mesh (``None``: no TP).
+        expert_parallel: the MoE layers to split over ``dims``' ``expert_parallel`` mesh (from
+            :func:`~lit_parallel.parallel.expert_parallel.plan_expert_parallel`; ``None``: no expert
+            parallelism). Needs ``dims.expert_parallel == plan.size``.
         activation_checkpointing: recompute each block's activations in backward.
         compile: ``torch.compile`` each block (``True`` or a dict of ``torch.compile`` arguments).
         reshard_after_forward: ZeRO-3 (``True``) or ZeRO-2 (``False``), on every FSDP group.
@@ -58,6 +63,7 @@ class ParallelizeConfig:
 
     block_types: BlockTypes | BlockPlan = "auto"
     tp_plan: TPPlan | None = None
+    expert_parallel: ExpertParallelPlan | None = None
     activation_checkpointing: bool = False
     compile: bool | Mapping[str, Any] = False
     reshard_after_forward: bool = True
@@ -80,10 +86,22 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
     plan = plan if isinstance(plan, BlockPlan) else find_transformer_blocks(module, plan)
     blocks = [block for _, block in plan.blocks]
     sync = config.sync_module_states
+    experts = config.expert_parallel if dims.ep_enabled else None
+    if experts is not None and experts.size != dims.expert_parallel:
+        raise ValueError(
+            f"the expert-parallel plan splits experts over {experts.size} ranks but the mesh has"
+            f" expert_parallel={dims.expert_parallel}; plan with the mesh's size"
+        )
+    if (config.tp_plan is not None or experts is not None) and not has_meta(module):
+        # Every rank starts from rank 0's weights, so each one can take its TP / expert shard locally.
+        broadcast_from_rank0([*module.parameters(), *module.buffers()], config.sync_chunk_bytes)
+        sync = False
     if config.tp_plan is not None:
         # Tensor parallelism first: it turns parameters into DTensors that FSDP then shards further.
-        apply_tensor_parallel(module, dims, config.tp_plan, chunk_bytes=config.sync_chunk_bytes)
-        sync = False  # each rank already took its TP shard from rank 0's weights
+        apply_tensor_parallel(module, dims, config.tp_plan, synced=True)
+    if experts is not None:
+        # Experts next (the TP plan leaves them alone): each rank keeps its experts as DTensor shards.
+        apply_expert_parallel(experts, dims.expert_mesh())
     for block in blocks:
         # Activation checkpointing wraps the block's forward; FSDP's hooks stay outside it, so the
         # recomputation runs on the parameters FSDP gathered for backward.
@@ -102,6 +120,9 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
         filled_by_state_dict=config.filled_by_state_dict,
         chunk_bytes=config.sync_chunk_bytes,
     )
+    if experts is not None:
+        # each block's experts are FSDP-sharded over the ranks holding them just before the block itself
+        ready = _experts_sharded_first(module, ready, experts, dims, config)
     apply_fsdp(
         module,
         dims.fsdp_mesh(),
@@ -114,14 +135,48 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
     return plan
 
 
+def _experts_sharded_first(
+    module: nn.Module,
+    blocks: Iterable[nn.Module],
+    plan: ExpertParallelPlan,
+    dims: ParallelDims,
+    config: ParallelizeConfig,
+) -> Iterator[nn.Module]:
+    """Yield ``blocks`` with their experts FSDP-sharded over ``expert_data_parallel``; experts outside every
+    block are sharded after the last block (before the root group)."""
+    kwargs: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
+    if config.mp_policy is not None:
+        kwargs["mp_policy"] = config.mp_policy
+    if config.offload is not None:
+        kwargs["offload_policy"] = config.offload
+    shard = functools.partial(
+        shard_experts,
+        plan,
+        fsdp_mesh=dims.expert_fsdp_mesh(),
+        expert_group=dims.expert_mesh().get_group(),
+        data_parallel_size=dims.data_parallel,
+        **kwargs,
+    )
+    for block in blocks:
+        shard(block)
+        yield block
+    shard(module)  # what no block holds (fully_shard skips modules already sharded)
+
+
 def apply_tensor_parallel(
-    module: nn.Module, dims: ParallelDims, plan: TPPlan, *, chunk_bytes: int | None = None
+    module: nn.Module,
+    dims: ParallelDims,
+    plan: TPPlan,
+    *,
+    chunk_bytes: int | None = None,
+    synced: bool = False,
 ) -> None:
     """Apply ``plan`` over the tensor-parallel mesh; every rank takes its shard locally from rank 0's weights
-    (copied in pieces of at most ``chunk_bytes``, see :func:`broadcast_from_rank0`)."""
+    (copied in pieces of at most ``chunk_bytes``, see :func:`broadcast_from_rank0`; ``synced``: the caller
+    copied them already)."""
     from lit_parallel.parallel.tensor_parallel import apply_tp
 
-    if not has_meta(module):
+    if not synced and not has_meta(module):
         # Every rank starts from rank 0's weights, so each one can take its shard locally (no scatter).
         broadcast_from_rank0([*module.parameters(), *module.buffers()], chunk_bytes)
     apply_tp(module, dims.tp_mesh(), plan, src_data_rank=None)

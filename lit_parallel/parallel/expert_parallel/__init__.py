@@ -1,0 +1,36 @@
+"""Expert parallelism for mixture-of-experts layers: discovery, token dispatch, splitting.
+
+Per-family knowledge is data (:mod:`.families`); :func:`find_moe_layers` finds the layers,
+:func:`plan_expert_parallel` checks a size against them, :func:`apply_expert_parallel` splits them over the
+``expert_parallel`` mesh and routes tokens by all-to-all (:func:`dispatch_combine`), and
+:func:`shard_experts` FSDP-shards the experts over the ranks that hold the same ones.
+"""
+
+from lit_parallel.parallel.expert_parallel.apply import (
+    EXPERT_NORM_GROUP,
+    ExpertParallelPlan,
+    RemoteExpert,
+    apply_expert_parallel,
+    gather_expert_state,
+    local_expert_modules,
+    plan_expert_parallel,
+    shard_experts,
+)
+from lit_parallel.parallel.expert_parallel.discovery import MoELayer, expert_parameter_count, find_moe_layers
+from lit_parallel.parallel.expert_parallel.dispatch import ExchangeStats, dispatch_combine
+
+__all__ = [
+    "EXPERT_NORM_GROUP",
+    "ExchangeStats",
+    "ExpertParallelPlan",
+    "MoELayer",
+    "RemoteExpert",
+    "apply_expert_parallel",
+    "dispatch_combine",
+    "expert_parameter_count",
+    "find_moe_layers",
+    "gather_expert_state",
+    "local_expert_modules",
+    "plan_expert_parallel",
+    "shard_experts",
+]
