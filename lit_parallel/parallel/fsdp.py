@@ -21,8 +21,8 @@ from torch import nn
 
 from lit_parallel._compat import foreach_mul_
 from lit_parallel.formatting import format_bytes
-from lit_parallel.parallel.expert_parallel.apply import EXPERT_NORM_GROUP
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
+from lit_parallel.parallel.expert_parallel.apply import EXPERT_NORM_GROUP
 from lit_parallel.parallel.materialize import mesh_device
 from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
 from lit_parallel.parallel.mesh import ParallelDims

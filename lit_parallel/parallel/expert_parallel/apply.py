@@ -403,9 +403,7 @@ def shard_experts(
 ) -> None:
     """FSDP-shard the experts inside ``block`` over ``fsdp_mesh`` (``expert_data_parallel``), before
     ``block`` itself is sharded (``data_parallel_size``: checked against the meshes)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     ep = dist.get_world_size(expert_group)
     if fsdp_mesh.size() * ep != data_parallel_size:
