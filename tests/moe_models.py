@@ -92,18 +92,34 @@ class HandMoE(nn.Module):
         return out.reshape(shape)
 
 
+class HandAttention(nn.Module):
+    def __init__(self, hidden: int = HIDDEN, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.o_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class HandBlock(nn.Module):
     def __init__(self, hidden: int = HIDDEN):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden)
-        self.attn = nn.MultiheadAttention(hidden, 2, batch_first=True)
+        self.attn = HandAttention(hidden)
         self.norm2 = nn.LayerNorm(hidden)
         self.moe = HandMoE(hidden)
 
     def forward(self, x):
-        h = self.norm1(x)
-        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        x = x + self.attn(self.norm1(x))
         return x + self.moe(self.norm2(x))
 
 

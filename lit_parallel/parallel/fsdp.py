@@ -22,7 +22,7 @@ from torch import nn
 from lit_parallel._compat import foreach_mul_
 from lit_parallel.formatting import format_bytes
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
-from lit_parallel.parallel.expert_parallel.apply import EXPERT_NORM_GROUP
+from lit_parallel.parallel.expert_parallel.apply import expert_norm_group
 from lit_parallel.parallel.materialize import mesh_device
 from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
 from lit_parallel.parallel.mesh import ParallelDims
@@ -215,22 +215,21 @@ def grad_norm(
     from torch.distributed.tensor import DTensor
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    with_grads = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in with_grads]
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         device = params[0].device if params else torch.device("cpu")
         return torch.zeros((), dtype=torch.float32, device=device)
     device = _norm_device(grads)
     groups: dict[tuple, list[torch.Tensor]] = {}
     extra: dict[tuple, dist.ProcessGroup] = {}
-    for p in with_grads:
-        key = _grad_group_key(p.grad)
-        # module-list experts: other expert-parallel ranks hold other experts under the same mesh
-        other = getattr(p, EXPERT_NORM_GROUP, None)
+    for g in grads:
+        key = _grad_group_key(g)
+        # module-list experts: the other expert-parallel ranks hold other experts under a mesh alike
+        other = expert_norm_group(g.device_mesh) if isinstance(g, DTensor) else None
         if other is not None:
             key = (*key, str(dist.get_process_group_ranks(other)))
             extra[key] = other
-        groups.setdefault(key, []).append(p.grad)
+        groups.setdefault(key, []).append(g)
     inf = norm_type == float("inf")
     norms = []
     for key in sorted(groups):

@@ -17,7 +17,7 @@ belongs first, before tensor parallelism, so that each stage is parallelized on 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,12 @@ import torch
 from torch import nn
 
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
-from lit_parallel.parallel.expert_parallel import apply_expert_parallel, shard_experts
+from lit_parallel.parallel.expert_parallel import (
+    apply_expert_parallel,
+    experts_sharded_first,
+    outside_experts,
+    without_expert_modules,
+)
 from lit_parallel.parallel.fsdp import apply_fsdp
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_blocks, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
@@ -98,10 +103,12 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
         sync = False
     if config.tp_plan is not None:
         # Tensor parallelism first: it turns parameters into DTensors that FSDP then shards further.
-        apply_tensor_parallel(module, dims, config.tp_plan, synced=True)
+        tp_plan = config.tp_plan if experts is None else without_expert_modules(config.tp_plan, experts)
+        apply_tensor_parallel(module, dims, tp_plan, synced=True)
     if experts is not None:
         # Experts next (the TP plan leaves them alone): each rank keeps its experts as DTensor shards.
         apply_expert_parallel(experts, dims.expert_mesh())
+        blocks = outside_experts(experts, blocks)
     for block in blocks:
         # Activation checkpointing wraps the block's forward; FSDP's hooks stay outside it, so the
         # recomputation runs on the parameters FSDP gathered for backward.
@@ -122,7 +129,7 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
     )
     if experts is not None:
         # each block's experts are FSDP-sharded over the ranks holding them just before the block itself
-        ready = _experts_sharded_first(module, ready, experts, dims, config)
+        ready = experts_sharded_first(module, ready, experts, dims, _fsdp_kwargs(config))
     apply_fsdp(
         module,
         dims.fsdp_mesh(),
@@ -135,32 +142,13 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
     return plan
 
 
-def _experts_sharded_first(
-    module: nn.Module,
-    blocks: Iterable[nn.Module],
-    plan: ExpertParallelPlan,
-    dims: ParallelDims,
-    config: ParallelizeConfig,
-) -> Iterator[nn.Module]:
-    """Yield ``blocks`` with their experts FSDP-sharded over ``expert_data_parallel``; experts outside every
-    block are sharded after the last block (before the root group)."""
+def _fsdp_kwargs(config: ParallelizeConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
     if config.mp_policy is not None:
         kwargs["mp_policy"] = config.mp_policy
     if config.offload is not None:
         kwargs["offload_policy"] = config.offload
-    shard = functools.partial(
-        shard_experts,
-        plan,
-        fsdp_mesh=dims.expert_fsdp_mesh(),
-        expert_group=dims.expert_mesh().get_group(),
-        data_parallel_size=dims.data_parallel,
-        **kwargs,
-    )
-    for block in blocks:
-        shard(block)
-        yield block
-    shard(module)  # what no block holds (fully_shard skips modules already sharded)
+    return kwargs
 
 
 def apply_tensor_parallel(

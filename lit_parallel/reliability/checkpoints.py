@@ -282,7 +282,12 @@ def _load_sharded(strategy: ModelParallelStrategy, path: Path) -> None:
     for i, optimizer in enumerate(strategy.optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        # each rank's parameter names per group as they are here: DCP stores the groups once (from one rank),
+        # and ranks may hold different parameters (module-list experts under expert parallelism)
+        names = [list(g["params"]) for g in optim_state[key].get("param_groups", [])]
         dcp_load(optim_state, path)
+        for group, own in zip(optim_state[key].get("param_groups", []), names):
+            group["params"] = own
         set_optimizer_state_dict(
             module,
             optimizer,

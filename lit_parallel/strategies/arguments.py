@@ -202,3 +202,25 @@ def check_ddp_kwargs(owner: str, kwargs: dict[str, Any], own_names: Iterable[str
             raise ValueError(
                 f"{name}={kwargs[name]!r} must be a function (see torch.distributed.algorithms) or None"
             )
+
+
+def check_expert_arguments(expert_parallel_size: Any, expert_capacity_factor: Any) -> None:
+    """``expert_parallel_size``: a positive integer; ``expert_capacity_factor``: ``None`` or a positive number."""
+    if (
+        not isinstance(expert_parallel_size, int)
+        or isinstance(expert_parallel_size, bool)
+        or expert_parallel_size < 1
+    ):
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size!r} must be a positive integer: the ranks an MoE layer's"
+            " experts are split over (1 = off)"
+        )
+    if expert_capacity_factor is not None and (
+        isinstance(expert_capacity_factor, bool)
+        or not isinstance(expert_capacity_factor, (int, float))
+        or expert_capacity_factor <= 0
+    ):
+        raise ValueError(
+            f"expert_capacity_factor={expert_capacity_factor!r} must be None (no token dropped: exact) or a"
+            " positive number (each expert takes at most ceil(factor * pairs / experts) of a rank's pairs)"
+        )

@@ -25,9 +25,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lit_parallel import _compat
 from lit_parallel._compat import optimizers_to_device, set_device_mesh
 from lit_parallel._logging import debug, info
 from lit_parallel.parallel.blocks import BlockPlan, find_transformer_blocks
+from lit_parallel.parallel.expert_parallel import (
+    ExpertParallelPlan,
+    gather_expert_state,
+    plan_expert_parallel,
+)
 from lit_parallel.parallel.fsdp import (
     FSDPPlan,
     load_full_state_dict,
@@ -45,6 +51,7 @@ from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import (
     CommonArguments,
     check_bool,
+    check_expert_arguments,
     check_optional_path,
     checked_argument_names,
 )
@@ -113,6 +120,15 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         init_from: a full ``state_dict`` file (keys of the LightningModule) loaded into the sharded model
             after setup: rank 0 reads it, the other ranks receive their shards. Combine with a model built
             on the meta device in ``configure_model`` so no rank ever holds the whole model.
+        expert_parallel_size: split every MoE layer's experts over this many ranks (1 = off), borrowed from the
+            data-parallel ranks (it must divide their number and every layer's number of experts). MoE
+            layers are found automatically: stacked expert weights (transformers 5's ``*Experts``) and
+            ``nn.ModuleList``s of experts next to a router. Tokens travel to their experts' ranks and back by
+            all-to-all; the experts are FSDP-sharded over the ranks holding the same ones; everything else is
+            as without it. Exact against one process. See ``docs/reference/strategies/expert_parallel.md``.
+        expert_capacity_factor: ``None`` (default): no token is dropped. A number ``c``: each expert takes at
+            most ``ceil(c * pairs / experts)`` of a rank's (token, expert) pairs per layer; the rest add zero
+            and are counted (``strategy.expert_plan.stats.dropped``).
         save_distributed_checkpoint: ``True`` (default): one shard per rank
             (``torch.distributed.checkpoint``, loadable on any number of ranks; convert with
             ``lit-parallel consolidate``). ``False``: one full file written by rank 0.
@@ -156,6 +172,8 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         cpu_offload: bool = False,
         init_from: str | Path | None = None,
         save_distributed_checkpoint: bool = True,
+        expert_parallel_size: int = 1,
+        expert_capacity_factor: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         debug_level: DebugLevel | None = None,
@@ -174,6 +192,7 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
             init_from=init_from,
             save_distributed_checkpoint=save_distributed_checkpoint,
         )
+        check_expert_arguments(expert_parallel_size, expert_capacity_factor)
         common = CommonArguments.from_arguments(locals())
         super().__init__(
             data_parallel_size="auto",
@@ -189,6 +208,9 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         self._compile = compile
         self._cpu_offload = cpu_offload
         self._init_from = init_from
+        self._ep_size = expert_parallel_size
+        self._capacity_factor = expert_capacity_factor
+        self.expert_plan: ExpertParallelPlan | None = None
         self._mp_policy: MixedPrecisionPolicy | None = None
         self._dims: ParallelDims | None = None
         self.plan: FSDPPlan | None = None
@@ -196,7 +218,7 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
     # --- configuration, checked before any process exists -----------------------------------------------
 
     def _parallel_dims(self) -> ParallelDims:
-        return ParallelDims.for_fsdp(self.num_nodes * self.num_processes)
+        return ParallelDims.for_fsdp(self.num_nodes * self.num_processes, expert_parallel=self._ep_size)
 
     def _validate(self) -> None:
         """Sizes and precision; runs in the Trainer's constructor (before launching) and again at setup."""
@@ -232,6 +254,13 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         # exists, so a wrong block_types fails fast.
         if not is_overridden("configure_model", model) and any(True for _ in model.parameters()):
             find_transformer_blocks(model, self._block_types)
+            self._plan_experts(model)
+
+    def _plan_experts(self, model: nn.Module) -> ExpertParallelPlan | None:
+        """The MoE layers and their split (``expert_parallel_size > 1``), checked against the model."""
+        if self._ep_size == 1:
+            return None
+        return plan_expert_parallel(model, self._ep_size, capacity_factor=self._capacity_factor)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -319,7 +348,8 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         )
         info(f"{self.strategy_name}: {self.plan.summary()}")
         debug(f"{self.strategy_name}: {self.plan.describe()}")
-        parallelize(self.model, self.parallel_dims, self._parallelize_config(blocks))
+        config = self._parallelize_config(blocks)
+        parallelize(self.model, self.parallel_dims, config)
         if self._init_from is not None:
             load_full_state_dict(self.model, self._init_from if self.global_rank == 0 else None)
             info(
@@ -327,8 +357,14 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
             )
 
     def _parallelize_config(self, blocks: BlockPlan) -> ParallelizeConfig:
+        assert self.model is not None
+        self.expert_plan = self._plan_experts(self.model)
+        if self.expert_plan is not None:
+            info(f"{self.strategy_name}: {self.expert_plan.summary()}")
+            debug(f"{self.strategy_name}: {self.expert_plan.describe()}")
         return ParallelizeConfig(
             block_types=blocks,
+            expert_parallel=self.expert_plan,
             activation_checkpointing=self._activation_checkpointing,
             compile=self._compile,
             reshard_after_forward=self._reshard_after_forward,
@@ -337,6 +373,14 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
             forward_methods=STEP_METHODS,
             filled_by_state_dict=self._init_from is not None,
         )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self.expert_plan is not None and not _compat.saves_distributed_checkpoint(self):
+            # a full state dict: module-list experts live on their expert-parallel ranks only
+            gather_expert_state(self.expert_plan, state, self.parallel_dims.expert_mesh().get_group())
+        return state
 
     # --- reliability (lit_parallel.reliability; the other hooks: ReliableTrainingMixin) -------------------
 

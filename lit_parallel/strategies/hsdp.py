@@ -37,6 +37,12 @@ class HybridShardStrategy(TransformerFSDPStrategy):
         for name, value in kwargs.items():
             if name not in own or name == "self":
                 raise unknown_argument(type(self).__name__, name, value, [*own, "shard_size"][1:])
+        if kwargs.get("expert_parallel_size", 1) != 1:
+            raise ValueError(
+                f"HybridShardStrategy(expert_parallel_size={kwargs['expert_parallel_size']!r}): expert parallelism"
+                " borrows its ranks from one FSDP group and does not combine with replication across nodes yet;"
+                " use fsdp_blocks (or tp_dp / pp_dp) with expert_parallel_size, or hsdp without it"
+            )
         super().__init__(**kwargs)
         self._shard_size = shard_size
 

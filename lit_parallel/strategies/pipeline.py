@@ -94,6 +94,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         data_parallel_size: ``"auto"`` (default): what the other sizes leave.
         data_parallel_replicate_size: replicas x shards inside each stage (HSDP); 1 = FSDP.
         tensor_parallel_size: tensor parallelism inside each stage (1 = off).
+        expert_parallel_size, expert_capacity_factor: MoE experts of each stage split over that many of the
+            stage's data-parallel ranks, as in ``fsdp_blocks``.
         split: ``"auto"``: stages start at block boundaries, balanced by parameter count (embeddings on the
             first stage, final norm and head on the last); or the names of the blocks where stages 2, 3, ...
             start (``["h.2"]``).
@@ -119,6 +121,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         data_parallel_size: Size = "auto",
         data_parallel_replicate_size: int = 1,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        expert_capacity_factor: float | None = None,
         split: str | Sequence[str] = "auto",
         block_types: Any = "auto",
         reshard_after_forward: bool = True,
@@ -150,6 +154,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             activation_checkpointing=activation_checkpointing,
             init_from=init_from,
             save_distributed_checkpoint=True,
+            expert_parallel_size=expert_parallel_size,
+            expert_capacity_factor=expert_capacity_factor,
             **CommonArguments.pick(locals()),
         )
         self._pp_size, self._schedule, self._microbatches = pipeline_parallel_size, schedule, microbatches
@@ -174,6 +180,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             data_parallel=self._dp_size,
             data_parallel_replicate=self._replicate_size,
             tensor_parallel=self._tp_size,
+            expert_parallel=self._ep_size,
         )
         check_schedule(self._schedule, self._pp_size, self._microbatches, dims.data_parallel)
         return dims
@@ -222,6 +229,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         super().connect(model)
         if not is_overridden("configure_model", model) and any(True for _ in model.parameters()):
             self._plan(model)  # a split that cannot work fails before any process group
+            self._plan_experts(model)
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
@@ -233,6 +241,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         self._refuse_prebuilt_dtensors()
         self.model = self.precision_plugin.convert_module(self.model)
         self.pipeline_plan = plan = self._plan(self.model)
+        self._plan_experts(self.model)  # the whole model has MoE layers; the stages take theirs
         self._param_order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
         info(f"{self.strategy_name}: mesh {self.parallel_dims.describe()}\n{plan.table()}")
         tp_plan = None
@@ -251,8 +260,11 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             reshard_after_forward=self._reshard_after_forward,
             shard=self._schedule not in ZERO_BUBBLE,
             filled_by_state_dict=self._init_from is not None,
+            expert_capacity_factor=self._capacity_factor,
         )
         self._stages = stages
+        plans = [s.expert_plan for s in stages if s.expert_plan is not None]
+        self.expert_plan = plans[0] if plans else None
         if self._init_from is not None:
             load_full_state_dict_into_stages(self.model, self._init_from if self.global_rank == 0 else None)
             info(f"{self.strategy_name}: loaded full state dict {str(self._init_from)!r} into the stages")

@@ -95,6 +95,9 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             logits are then a DTensor, so compute the loss with ``F.cross_entropy`` on them.
         block_types: the transformer blocks (``"auto"``, classes, class names or a predicate), as in
             ``fsdp_blocks``.
+        expert_parallel_size, expert_capacity_factor: MoE experts split over that many of the data-parallel
+            ranks (attention and the rest stay tensor-parallel; the experts are not TP-split), as in
+            ``fsdp_blocks``.
         reshard_after_forward, mixed_precision, activation_checkpointing, compile, init_from,
         save_distributed_checkpoint, process_group_backend, timeout, debug_level, watchdog,
             preemption_signal, stall_timeout, auto_resume: as in ``fsdp_blocks``.
@@ -125,6 +128,8 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         compile: bool | Mapping[str, Any] = False,
         init_from: str | Path | None = None,
         save_distributed_checkpoint: bool = True,
+        expert_parallel_size: int = 1,
+        expert_capacity_factor: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         debug_level: DebugLevel | None = None,
@@ -149,6 +154,8 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             compile=compile,
             init_from=init_from,
             save_distributed_checkpoint=save_distributed_checkpoint,
+            expert_parallel_size=expert_parallel_size,
+            expert_capacity_factor=expert_capacity_factor,
             **CommonArguments.pick(locals()),
         )
         self._dp_size = data_parallel_size
@@ -169,6 +176,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             data_parallel=self._dp_size,
             tensor_parallel=self._tp_size,
             data_parallel_replicate=self._replicate_size,
+            expert_parallel=self._ep_size,
         )
 
     def _make_plan(self, module: nn.Module, blocks: BlockPlan | None = None) -> TPPlan:

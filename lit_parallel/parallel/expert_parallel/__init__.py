@@ -7,30 +7,36 @@ Per-family knowledge is data (:mod:`.families`); :func:`find_moe_layers` finds t
 """
 
 from lit_parallel.parallel.expert_parallel.apply import (
-    EXPERT_NORM_GROUP,
     ExpertParallelPlan,
     RemoteExpert,
     apply_expert_parallel,
+    expert_norm_group,
+    experts_sharded_first,
     gather_expert_state,
+    outside_experts,
     local_expert_modules,
     plan_expert_parallel,
     shard_experts,
+    without_expert_modules,
 )
 from lit_parallel.parallel.expert_parallel.discovery import MoELayer, expert_parameter_count, find_moe_layers
 from lit_parallel.parallel.expert_parallel.dispatch import ExchangeStats, dispatch_combine
 
 __all__ = [
-    "EXPERT_NORM_GROUP",
     "ExchangeStats",
     "ExpertParallelPlan",
     "MoELayer",
     "RemoteExpert",
     "apply_expert_parallel",
     "dispatch_combine",
+    "expert_norm_group",
+    "experts_sharded_first",
     "expert_parameter_count",
     "find_moe_layers",
     "gather_expert_state",
     "local_expert_modules",
+    "outside_experts",
     "plan_expert_parallel",
     "shard_experts",
+    "without_expert_modules",
 ]

@@ -27,9 +27,10 @@ reduce-scatter, but needs ``PREMUL_SUM``, which gloo lacks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,19 +39,41 @@ from torch import nn
 from lit_parallel.parallel.expert_parallel.discovery import MoELayer, find_moe_layers
 from lit_parallel.parallel.expert_parallel.dispatch import ExchangeStats, dispatch_combine
 
+if TYPE_CHECKING:
+    from lit_parallel.parallel.mesh import ParallelDims
+    from lit_parallel.parallel.tensor_parallel import TPPlan
+
 __all__ = [
-    "EXPERT_NORM_GROUP",
     "ExpertParallelPlan",
     "RemoteExpert",
     "apply_expert_parallel",
+    "expert_norm_group",
+    "experts_sharded_first",
+    "outside_experts",
+    "without_expert_modules",
     "gather_expert_state",
     "plan_expert_parallel",
     "shard_experts",
 ]
 
-# attribute set on a module-list expert's parameters: the process group its norm is also summed over (the
-# expert-parallel ranks hold different experts under the same mesh), read by grad_norm
-EXPERT_NORM_GROUP = "_lp_expert_norm_group"
+# The meshes module-list experts are FSDP-sharded over, by (dimension names, ranks), and the expert-parallel
+# group their gradient norms are also summed over: the expert-parallel ranks hold different experts under
+# meshes of the same shape (read by grad_norm through expert_norm_group; FSDP may replace the parameter
+# objects, e.g. in module.to(), so nothing is attached to them).
+_NORM_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _mesh_key(mesh: Any) -> tuple:
+    ranks = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
+    return (tuple(mesh.mesh_dim_names or ()), ranks)
+
+
+def expert_norm_group(mesh: Any) -> dist.ProcessGroup | None:
+    """For a gradient on ``mesh``: the expert-parallel group its norm must also be summed over (module-list
+    experts), or ``None``."""
+    if not _NORM_GROUPS:
+        return None
+    return _NORM_GROUPS.get(_mesh_key(mesh))
 
 
 @dataclass
@@ -78,10 +101,11 @@ class ExpertParallelPlan:
 
 
 def plan_expert_parallel(
-    module: nn.Module, size: int, *, capacity_factor: float | None = None
+    module: nn.Module, size: int, *, capacity_factor: float | None = None, require_layers: bool = True
 ) -> ExpertParallelPlan:
     """Find the MoE layers and check ``size`` against them (before any process group): every layer's
-    number of experts must be a multiple of ``size``, and ``size > 1`` needs at least one MoE layer."""
+    number of experts must be a multiple of ``size``, and ``size > 1`` needs at least one MoE layer (unless
+    ``require_layers=False``: a pipeline stage of a model that has them elsewhere)."""
     if capacity_factor is not None and (
         isinstance(capacity_factor, bool)
         or not isinstance(capacity_factor, (int, float))
@@ -92,7 +116,7 @@ def plan_expert_parallel(
             " ceil(factor * pairs / experts) of a rank's pairs) or None (no pair is dropped: exact)"
         )
     layers = find_moe_layers(module)
-    if size > 1 and not layers:
+    if size > 1 and not layers and require_layers:
         raise ValueError(
             f"expert_parallel_size={size}, but {type(module).__name__} has no MoE layer: none holds stacked"
             " expert weights ([num_experts, ...] tensors with a forward(hidden_states, top_k_index,"
@@ -420,8 +444,7 @@ def shard_experts(
                 continue
             fully_shard(module, mesh=fsdp_mesh, **fsdp_kwargs)
             if layer.kind == "module_list":
-                for p in module.parameters():
-                    setattr(p, EXPERT_NORM_GROUP, expert_group)
+                _NORM_GROUPS[_mesh_key(fsdp_mesh)] = expert_group
 
 
 def gather_expert_state(
@@ -452,3 +475,50 @@ def gather_expert_state(
         for part in everyone:
             for key, value in part.items():
                 state.setdefault(key, value)
+
+
+def experts_sharded_first(
+    root: nn.Module,
+    blocks: Iterable[nn.Module],
+    plan: ExpertParallelPlan,
+    dims: ParallelDims,
+    fsdp_kwargs: dict[str, Any],
+) -> Iterator[nn.Module]:
+    """Yield ``blocks`` (FSDP shards each next) with their experts FSDP-sharded over ``expert_data_parallel``
+    first; experts outside every block are sharded after the last block, before ``root``'s own group."""
+    group = dims.expert_mesh().get_group()
+    edp = dims.expert_fsdp_mesh()
+    for block in blocks:
+        shard_experts(plan, block, edp, group, dims.data_parallel, **fsdp_kwargs)
+        yield block
+    shard_experts(plan, root, edp, group, dims.data_parallel, **fsdp_kwargs)
+
+
+def outside_experts(plan: ExpertParallelPlan, blocks: Iterable[nn.Module]) -> list[nn.Module]:
+    """``blocks`` without the expert modules (and modules inside them): FSDP groups of their own already
+    (:func:`shard_experts`), over the ranks that hold them."""
+    inner: set[int] = set()
+    for layer in plan.layers:
+        if layer.kind == "stacked":
+            inner.update(id(m) for m in layer.module.modules())
+        else:
+            inner.update(id(m) for m in getattr(layer.module, layer.experts_name or "").modules())
+    return [b for b in blocks if id(b) not in inner]
+
+
+def without_expert_modules(tp_plan: TPPlan, plan: ExpertParallelPlan) -> TPPlan:
+    """``tp_plan`` without styles inside experts: expert parallelism splits those (attention and shared
+    experts stay tensor-parallel)."""
+    inside = []
+    for layer in plan.layers:
+        path = (
+            layer.path
+            if layer.kind == "stacked"
+            else ".".join(p for p in (layer.path, layer.experts_name) if p)
+        )
+        inside.append(path)
+
+    def kept(path: str) -> bool:
+        return not any(path == p or path.startswith(p + ".") for p in inside)
+
+    return dataclasses.replace(tp_plan, styles={p: s for p, s in tp_plan.styles.items() if kept(p)})

@@ -16,6 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_parallel.parallel.expert_parallel import (
+    apply_expert_parallel,
+    experts_sharded_first,
+    outside_experts,
+    plan_expert_parallel,
+    without_expert_modules,
+)
 from lit_parallel.parallel.fsdp import apply_fsdp, grad_norm, scale_grads_
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_owned, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
@@ -50,13 +57,17 @@ def parallelize_stages(
     shard: bool = True,
     filled_by_state_dict: bool = False,
     sync_chunk_bytes: int | None = None,
+    expert_capacity_factor: float | None = None,
 ) -> list[StageModule]:
     """Prune ``model`` to this rank's stages and parallelize each stage over the data-parallel ranks
     (``shard=False``: no FSDP2, for the zero-bubble schedules on one data-parallel rank).
 
     A model on the meta device is materialised first, only this rank's stages kept, with the random numbers
     of a whole-model initialisation (:func:`~lit_parallel.parallel.materialize.materialize_owned`);
-    ``filled_by_state_dict``: a full state dict is loaded afterwards (``init_from``)."""
+    ``filled_by_state_dict``: a full state dict is loaded afterwards (``init_from``). With
+    ``dims.expert_parallel > 1`` the MoE layers this rank kept are split over the stage's expert-parallel
+    ranks (the ranks of one stage run the same micro-batches in the same order, so their all-to-alls pair
+    up) and returned plans are kept on each stage as ``stage.expert_plan``."""
     pp_rank = dims.mesh["pipeline_parallel"].get_local_rank()
     if has_meta(model):
         mine = [p for s in plan.stages_of(pp_rank) for p in s.pieces]
@@ -68,20 +79,38 @@ def parallelize_stages(
         # one can take its stages' pieces and tensor-parallel shards locally; copied in bounded pieces.
         broadcast_from_rank0([*model.parameters(), *model.buffers()], sync_chunk_bytes)
     stages = build_stage_modules(model, plan, pp_rank)
+    experts = None
+    if dims.ep_enabled:
+        # this rank's stages may hold no MoE layer (the strategy checked the whole model)
+        experts = plan_expert_parallel(
+            model, dims.expert_parallel, capacity_factor=expert_capacity_factor, require_layers=False
+        )
     if tp_plan is not None:
-        apply_tp(model, dims.tp_mesh(), _present_part(tp_plan, model), src_data_rank=None)
+        present = _present_part(tp_plan, model)
+        present = present if experts is None else without_expert_modules(present, experts)
+        apply_tp(model, dims.tp_mesh(), present, src_data_rank=None)
+    if experts is not None:
+        apply_expert_parallel(experts, dims.expert_mesh())
     modules = dict(model.named_modules())
     for stage in stages:
         blocks = [modules[name] for name in stage.plan.blocks]
+        blocks = blocks if experts is None else outside_experts(experts, blocks)
         if activation_checkpointing:
             for block in blocks:
                 apply_activation_checkpointing(block)
         if not shard:
             stage.register_hooks()
             continue
+        ready: Iterable[nn.Module] = blocks
+        if experts is not None:
+            kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+            if mp_policy is not None:
+                kwargs["mp_policy"] = mp_policy
+            ready = experts_sharded_first(stage, blocks, experts, dims, kwargs)
         apply_fsdp(
-            stage, dims.fsdp_mesh(), blocks, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
+            stage, dims.fsdp_mesh(), ready, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
         )
+        stage.expert_plan = experts
         stage.register_hooks()
     return stages
 

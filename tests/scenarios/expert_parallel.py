@@ -1,0 +1,269 @@
+"""Scenarios for expert parallelism (``expert_parallel_size`` on fsdp_blocks, tp_dp and pp_dp), run on real
+gloo ranks by tests/parallel/expert_parallel/test_expert_parallel.py. Each returns plain data; the tests
+compute the expected values on their own (a single-process plain PyTorch reference, the routing of an
+unsplit model, formulas) and compare.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lit_parallel as lp
+from lit_parallel.measure.collectives import CommCounter
+from lit_parallel.parallel import ParallelDims
+from lit_parallel.parallel.expert_parallel import plan_expert_parallel
+from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
+from tests.moe_models import MODELS, VOCAB, lm_loss
+from tests.scenarios.common import quiet_trainer
+
+SEQ, PER_RANK_BATCH, LR = 8, 2, 0.1
+STEPS, ACCUMULATE, CLIP = 3, 2, 0.5
+SAMPLES = 48  # 3 steps x 2 micro-batches x 2 samples on up to 4 data-parallel ranks
+MODEL_NAMES = ("mixtral", "qwen2_moe", "hand")
+
+
+def lm_dataset(n: int = SAMPLES, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def data_parallel_loss(model: torch.nn.Module, batch, dp: int) -> torch.Tensor:
+    """The loss N data-parallel ranks optimise on a global batch (rank 0's samples first): the mean of the
+    ranks' own losses. Cross-entropy alone would equal one loss over the batch; a load-balancing loss is
+    computed per rank's batch, as under any data parallelism."""
+    tokens, targets = batch[0], batch[1]
+    chunks = zip(tokens.chunk(dp), targets.chunk(dp))
+    return sum(lm_loss(model, x, y) for x, y in chunks) / dp
+
+
+def pipeline_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """pp_dp's loss: cross-entropy only (a pipeline's last stage returns the logits, not the router's)."""
+    return F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())
+
+
+class LitMoE(L.LightningModule):
+    def __init__(self, name: str):
+        super().__init__()
+        self.model = MODELS[name]()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = lm_loss(self.model, batch[0], batch[1])
+        self.losses.append(loss.detach().item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class PipelinedMoE(L.LightningModule):
+    """pp_dp's contract: forward(inputs) and pipeline_loss(output, targets)."""
+
+    def __init__(self, name: str = "hand"):
+        super().__init__()
+        self.model = MODELS[name]()
+        self.losses: list[float] = []
+
+    def forward(self, tokens):
+        return self.model(tokens)
+
+    def pipeline_loss(self, output, targets):
+        return F.cross_entropy(output.flatten(0, 1).float(), targets.flatten())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Lightning hands callbacks the loss divided by accumulate_grad_batches (what backward used)
+        self.losses.append(float(outputs["loss"]) * self.trainer.accumulate_grad_batches)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def _full_params(strategy, module: torch.nn.Module) -> dict:
+    """The unsplit state on rank 0: every rank makes the tensors it holds whole (DTensor.full_tensor, a
+    collective among the ranks sharing them), then every rank's go to rank 0 (other stages' layers under
+    pp_dp, other ranks' module-list experts)."""
+    from torch.distributed.tensor import DTensor
+
+    mine = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        for k, v in module.state_dict().items()
+    }
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict = {}
+    for part in everyone:
+        for k, v in part.items():
+            merged.setdefault(k, v)
+    return merged if dist.get_rank() == 0 else {}
+
+
+def _dp_mean_losses(strategy, losses: list[float]) -> list[float]:
+    group = strategy.parallel_dims.data_parallel_mesh().get_group()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, losses, group=group)
+    return [sum(step) / len(step) for step in zip(*everyone)]
+
+
+def _holdings(module: torch.nn.Module, strategy) -> dict:
+    """What this rank holds of every expert weight: its local tensor (a DTensor's shard) by name."""
+    from torch.distributed.tensor import DTensor
+
+    names = set()
+    for layer in strategy.expert_plan.layers:
+        names.update(layer.expert_parameter_names())
+    out = {}
+    for name, p in module.named_parameters():
+        if name in names or any(name.startswith(f"{n}.") for n in names) or _in_expert_list(name, strategy):
+            out[name] = (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+    return out
+
+
+def _in_expert_list(name: str, strategy) -> bool:
+    for layer in strategy.expert_plan.layers:
+        if layer.kind == "module_list":
+            prefix = ".".join(p for p in (layer.path, layer.experts_name) if p) + "."
+            if name.startswith(prefix):
+                return True
+    return False
+
+
+def _fit(ctx, strategy, module, *, steps: int = STEPS, ckpt_path=None, dataset=None, **kwargs):
+    t = quiet_trainer(
+        ctx, strategy, max_steps=steps, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, **kwargs
+    )
+    t.fit(module, DataLoader(dataset or lm_dataset(), batch_size=PER_RANK_BATCH), ckpt_path=ckpt_path)
+    return t
+
+
+def _parity(ctx, name: str, strategy, module=None) -> dict:
+    module = module or LitMoE(name)
+    t = _fit(ctx, strategy, module)
+    s = t.strategy
+    return {
+        "losses": torch.tensor(_dp_mean_losses(s, module.losses), dtype=torch.float64),
+        "params": _full_params(s, module),
+        "holdings": _holdings(module, s),
+        "mesh": list(s.device_mesh.mesh_dim_names),
+        "dims": {
+            "dp": s.parallel_dims.data_parallel,
+            "ep": s.parallel_dims.expert_parallel,
+            "ep_rank": s.parallel_dims.expert_mesh().get_local_rank(),
+        },
+        "layers": [(layer.path, layer.kind, layer.num_experts) for layer in s.expert_plan.layers],
+        "dropped": s.expert_plan.stats.dropped,
+    }
+
+
+def _fsdp(ctx, ep: int) -> dict:
+    return {
+        name: _parity(ctx, name, lp.TransformerFSDPStrategy(expert_parallel_size=ep)) for name in MODEL_NAMES
+    }
+
+
+# --- launch: 2 ranks ------------------------------------------------------------------------------------
+
+
+def parity_fsdp_ep2(ctx) -> dict:
+    return _fsdp(ctx, 2)
+
+
+def exchange_bytes(ctx) -> dict:
+    """One forward and backward of a one-layer Mixtral split over 2 expert-parallel ranks, under torch's dispatch-level
+    collective counter; returns the all-to-all bytes it saw and the exchange statistics."""
+    world = dist.get_world_size()
+    tokens = torch.randint(
+        0, VOCAB, (world * PER_RANK_BATCH, SEQ), generator=torch.Generator().manual_seed(7)
+    )
+    mine = tokens[dist.get_rank() * PER_RANK_BATCH : (dist.get_rank() + 1) * PER_RANK_BATCH]
+    out = {}
+    for capacity in (None, 0.5):
+        model = MODELS["mixtral"](layers=1)  # one layer: the routing of an unsplit model predicts all of it
+        dims = ParallelDims.for_fsdp(world, expert_parallel=world)
+        dims.build_mesh("cpu")
+        plan = plan_expert_parallel(model, world, capacity_factor=capacity)
+        parallelize(model, dims, ParallelizeConfig(expert_parallel=plan))
+        with CommCounter() as counter:
+            model(input_ids=mine).logits.sum().backward()
+        a2a = [r for r in counter.records if r.kind == "all_to_all"]
+        out["exact" if capacity is None else "capacity"] = {
+            "all_to_all_bytes": sum(r.payload_bytes for r in a2a),
+            "all_to_all_calls": len(a2a),
+            "rows_sent": plan.stats.rows_sent,
+            "rows_received": plan.stats.rows_received,
+            "dropped": plan.stats.dropped,
+            "calls": plan.stats.calls,
+        }
+    out["tokens"] = tokens
+    return out
+
+
+def checkpoint_save(ctx) -> dict:
+    """Train the hand-written MoE and Mixtral 2 steps with expert_parallel_size=2, save a sharded checkpoint,
+    train 2 more; then resume from the checkpoint with the same split and with none (expert_parallel_size=1),
+    and train the same 2 steps."""
+    root = Path(ctx.args["ckpt_dir"])
+    out = {}
+    for name in ("hand", "mixtral"):
+        path = str(root / f"{name}_ep2.ckpt")
+        module = LitMoE(name)
+        t = _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), module, steps=2)
+        t.save_checkpoint(path)
+        saved = _full_params(t.strategy, module)
+        continued = LitMoE(name)
+        _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), continued, steps=4, ckpt_path=path)
+        resumed = {}
+        for ep in (2, 1):
+            again = LitMoE(name)
+            _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=ep), again, steps=4, ckpt_path=path)
+            resumed[ep] = again.losses
+        out[name] = {"path": path, "saved": saved, "continued": continued.losses, "resumed": resumed}
+    return out
+
+
+# --- launch: 4 ranks ------------------------------------------------------------------------------------
+
+
+def parity_fsdp_ep2_of_4(ctx) -> dict:
+    return _fsdp(ctx, 2)
+
+
+def parity_fsdp_ep4(ctx) -> dict:
+    return _fsdp(ctx, 4)
+
+
+def parity_tp_dp(ctx) -> dict:
+    return {
+        name: _parity(
+            ctx,
+            name,
+            lp.TensorParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2),
+        )
+        for name in MODEL_NAMES
+    }
+
+
+def parity_pp_dp(ctx) -> dict:
+    strategy = lp.PipelineParallelStrategy(pipeline_parallel_size=2, microbatches=2, expert_parallel_size=2)
+    return {"hand": _parity(ctx, "hand", strategy, PipelinedMoE("hand"))}
+
+
+def checkpoint_reshard(ctx) -> dict:
+    """Load the 2-rank checkpoints (expert_parallel_size=2) on 4 ranks with expert_parallel_size 4 and 2,
+    and return the loaded weights, unsplit."""
+    out = {}
+    for name in ("hand", "mixtral"):
+        path = ctx.args[f"{name}_ckpt"]
+        for ep in (4, 2):
+            module = LitMoE(name)
+            t = quiet_trainer(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=ep), max_steps=2)
+            t.fit(module, DataLoader(lm_dataset(), batch_size=PER_RANK_BATCH), ckpt_path=path)
+            # max_steps=2 was reached by the checkpoint: nothing trained, the loaded weights are unchanged
+            out[f"{name}_ep{ep}"] = {"params": _full_params(t.strategy, module), "losses": module.losses}
+    return out
