@@ -24,6 +24,16 @@ from lit_parallel.parallel.ddp.comm_hooks import (
     build_comm_hook,
     validate_comm_hook,
 )
+from lit_parallel.parallel.expert_parallel import (
+    ExchangeStats,
+    ExpertParallelPlan,
+    MoELayer,
+    apply_expert_parallel,
+    dispatch_combine,
+    expert_parameter_count,
+    find_moe_layers,
+    plan_expert_parallel,
+)
 from lit_parallel.parallel.fsdp import (
     FSDPPlan,
     apply_fsdp,
@@ -64,6 +74,14 @@ from lit_parallel.parallel.tensor_parallel import (
 from lit_parallel.parallel.tensor_parallel.families import PLAN_PROVIDERS, PlanProvider
 
 __all__ = [
+    "plan_expert_parallel",
+    "find_moe_layers",
+    "expert_parameter_count",
+    "dispatch_combine",
+    "apply_expert_parallel",
+    "MoELayer",
+    "ExpertParallelPlan",
+    "ExchangeStats",
     "AllReduceMeasurement",
     "apply_activation_checkpointing",
     "apply_compile",
