@@ -38,6 +38,7 @@ from torch import nn
 
 from lit_parallel.parallel.expert_parallel.discovery import MoELayer, find_moe_layers
 from lit_parallel.parallel.expert_parallel.dispatch import ExchangeStats, dispatch_combine
+from lit_parallel.parallel.expert_parallel.families import NUM_EXPERTS_ATTRIBUTES
 
 if TYPE_CHECKING:
     from lit_parallel.parallel.mesh import ParallelDims
@@ -169,9 +170,7 @@ class _StackedForward:
         self.plan = plan
         self.ep = dist.get_world_size(group)
         self.names = [n for n, _ in layer.module.named_parameters(recurse=False)]
-        self.count_attribute = next(
-            a for a in ("num_experts", "num_local_experts", "n_routed_experts") if hasattr(layer.module, a)
-        )
+        self.count_attribute = next(a for a in NUM_EXPERTS_ATTRIBUTES if hasattr(layer.module, a))
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         tokens, k = top_k_index.shape

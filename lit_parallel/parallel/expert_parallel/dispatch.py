@@ -6,8 +6,8 @@ same two all-to-alls in reverse, with the same split sizes). No pair is dropped 
 given; then each expert takes at most ``ceil(capacity_factor * pairs / num_experts)`` of a rank's pairs, in
 token order, and the rest contribute zero (counted in :class:`ExchangeStats`).
 
-Host syncs: one per call (the split sizes, read together with the capacity counts); the all-to-all of
-uneven sizes needs them on the host. On CUDA the tensors stay on the device.
+Host syncs: one per call (the split sizes; two with a capacity factor, whose kept counts are exchanged
+again): an all-to-all of uneven sizes takes them as host integers. The rows themselves stay on the device.
 """
 
 from __future__ import annotations
