@@ -52,7 +52,6 @@ __all__ = [
     "experts_sharded_first",
     "outside_experts",
     "without_expert_modules",
-    "gather_expert_state",
     "plan_expert_parallel",
     "shard_experts",
 ]
@@ -444,36 +443,6 @@ def shard_experts(
             fully_shard(module, mesh=fsdp_mesh, **fsdp_kwargs)
             if layer.kind == "module_list":
                 _NORM_GROUPS[_mesh_key(fsdp_mesh)] = expert_group
-
-
-def gather_expert_state(
-    plan: ExpertParallelPlan, state: dict[str, torch.Tensor], group: dist.ProcessGroup
-) -> None:
-    """Complete a full state dict with the module-list experts other expert-parallel ranks hold: every rank
-    makes its own experts' tensors whole (a collective over the ranks holding them), then the
-    expert-parallel ranks exchange them; ``state`` gains the missing keys wherever it is not empty."""
-    from torch.distributed.tensor import DTensor
-
-    mine: dict[str, torch.Tensor] = {}
-    for layer in plan.layers:
-        if layer.kind != "module_list":
-            continue
-        prefix = f"{layer.path}." if layer.path else ""
-        experts = getattr(layer.module, layer.experts_name or "")
-        for i, expert in enumerate(experts):
-            if isinstance(expert, RemoteExpert):
-                continue
-            for name, t in expert.state_dict().items():
-                full = t.full_tensor() if isinstance(t, DTensor) else t
-                mine[f"{prefix}{layer.experts_name}.{i}.{name}"] = full.detach().cpu()
-    if not mine and not any(layer.kind == "module_list" for layer in plan.layers):
-        return
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if state:
-        for part in everyone:
-            for key, value in part.items():
-                state.setdefault(key, value)
 
 
 def experts_sharded_first(

@@ -186,8 +186,8 @@ def test_capacity_factor_drops_and_counts(two):
 def test_resume_is_bitwise_and_reshards(two, name, tmp_path):
     got = two.scenario("checkpoint_save")[0][name]
     continued = got["continued"]
-    assert len(continued) == 4 * sc.ACCUMULATE - 2 * sc.ACCUMULATE  # the 2 steps after the checkpoint
-    assert got["resumed"][2] == continued  # the same split: bitwise
+    assert len(continued) == 2 * sc.ACCUMULATE  # the 2 steps after the checkpoint, without a break
+    assert got["resumed"][2] == continued  # resumed with the same split: bitwise
     assert_rel_close(
         torch.tensor(got["resumed"][1]), torch.tensor(continued), 1e-5, f"{name} resumed without EP"
     )
@@ -197,6 +197,20 @@ def test_resume_is_bitwise_and_reshards(two, name, tmp_path):
     assert set(state) == set(MODELS[name]().state_dict())
     for k, v in expected.items():
         assert torch.equal(state[k], v), k
+
+
+def test_a_full_checkpoint_file_holds_every_expert_and_resumes(two):
+    got = two.scenario("checkpoint_save")[0]
+    full = got["mixtral_full"]
+    state = torch.load(full["path"], weights_only=True)["state_dict"]
+    assert set(state) == set(full["saved"]) == {f"model.{k}" for k in MODELS["mixtral"]().state_dict()}
+    for k, v in full["saved"].items():
+        assert torch.equal(state[k], v), k
+    assert len(full["continued"]) == 2 * sc.ACCUMULATE
+    assert full["resumed"] == full["continued"]  # bitwise
+    # module-list experts live on their ranks only: a full file is refused before training, with the fix
+    assert "save_distributed_checkpoint=False with expert_parallel_size=2" in got["hand_full_refused"]
+    assert "lit-parallel consolidate" in got["hand_full_refused"]
 
 
 # --- 4 ranks --------------------------------------------------------------------------------------------
