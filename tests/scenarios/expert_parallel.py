@@ -301,3 +301,27 @@ def checkpoint_reshard(ctx) -> dict:
             # max_steps=2 was reached by the checkpoint: nothing trained, the loaded weights are unchanged
             out[f"{name}_ep{ep}"] = {"params": _full_params(t.strategy, module), "losses": module.losses}
     return out
+
+
+class MetaMoE(LitMoE):
+    """Built on the meta device in configure_model: each rank materialises only what it keeps."""
+
+    def __init__(self, name: str):
+        L.LightningModule.__init__(self)
+        self.name, self.momentum, self.losses = name, 0.0, []
+
+    def configure_model(self):
+        if not hasattr(self, "model"):
+            with torch.device("meta"):
+                self.model = MODELS[self.name]()
+
+
+def meta_init(ctx) -> dict:
+    """Mixtral and the hand-written MoE built on the meta device under expert_parallel_size=2: trained 2
+    steps, returned unsplit."""
+    out = {}
+    for name in ("hand", "mixtral"):
+        module = MetaMoE(name)
+        t = _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), module, steps=2)
+        out[name] = {"losses": module.losses, "params": _full_params(t.strategy, module)}
+    return out

@@ -34,7 +34,7 @@ def two(tmp_path_factory, ckpt_dir):
     return launch(
         [
             f"tests.scenarios.expert_parallel:{n}"
-            for n in ("parity_fsdp_ep2", "exchange_bytes", "checkpoint_save")
+            for n in ("parity_fsdp_ep2", "exchange_bytes", "checkpoint_save", "meta_init")
         ],
         2,
         tmp_path_factory.mktemp("ep2"),
@@ -211,6 +211,26 @@ def test_a_full_checkpoint_file_holds_every_expert_and_resumes(two):
     # module-list experts live on their ranks only: a full file is refused before training, with the fix
     assert "save_distributed_checkpoint=False with expert_parallel_size=2" in got["hand_full_refused"]
     assert "lit-parallel consolidate" in got["hand_full_refused"]
+
+
+@pytest.mark.parametrize("name", ["hand", "mixtral"])
+def test_a_meta_device_model_is_materialised_per_expert(two, name):
+    got = two.scenario("meta_init")[0][name]
+    assert len(got["losses"]) == 2 * sc.ACCUMULATE and all(math.isfinite(x) for x in got["losses"])
+    params = got["params"]
+    assert set(params) == {f"model.{k}" for k in MODELS[name]().state_dict()}
+    for k, v in params.items():
+        assert torch.isfinite(v).all(), k
+    # every expert drew its own initial weights (no expert left empty, none a copy of another)
+    if name == "mixtral":
+        experts = params["model.model.layers.0.mlp.experts.gate_up_proj"]
+        rows = [experts[i] for i in range(experts.shape[0])]
+    else:
+        rows = [params[f"model.blocks.0.moe.experts.{i}.w1.weight"] for i in range(4)]
+    for i in range(len(rows)):
+        assert rows[i].abs().sum() > 0
+        for j in range(i):
+            assert not torch.equal(rows[i], rows[j]), (i, j)
 
 
 # --- 4 ranks --------------------------------------------------------------------------------------------
