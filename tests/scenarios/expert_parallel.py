@@ -25,7 +25,7 @@ from tests.scenarios.common import quiet_trainer
 SEQ, PER_RANK_BATCH, LR = 8, 2, 0.1
 STEPS, ACCUMULATE, CLIP = 3, 2, 0.5
 SAMPLES = 48  # 3 steps x 2 micro-batches x 2 samples on up to 4 data-parallel ranks
-MODEL_NAMES = ("mixtral", "qwen2_moe", "hand")
+MODEL_NAMES = ("mixtral", "qwen2_moe", "olmoe", "hand")
 
 
 def lm_dataset(n: int = SAMPLES, seed: int = 0) -> TensorDataset:
@@ -272,6 +272,11 @@ def parity_fsdp_ep4(ctx) -> dict:
     return _fsdp(ctx, 4)
 
 
+# OLMoE normalises q and k over all heads together (q_norm/k_norm of the full width): tp_dp's plan cannot
+# split that, with or without experts
+TP_MODEL_NAMES = ("mixtral", "qwen2_moe", "hand")
+
+
 def parity_tp_dp(ctx) -> dict:
     return {
         name: _parity(
@@ -279,7 +284,7 @@ def parity_tp_dp(ctx) -> dict:
             name,
             lp.TensorParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2),
         )
-        for name in MODEL_NAMES
+        for name in TP_MODEL_NAMES
     }
 
 

@@ -248,7 +248,7 @@ def test_fsdp_on_4_ranks_matches_one_process(four, scenario, name):
     _stacked_experts_per_rank(results, 4)
 
 
-@pytest.mark.parametrize("name", sc.MODEL_NAMES)
+@pytest.mark.parametrize("name", sc.TP_MODEL_NAMES)
 def test_tp_dp_with_experts_matches_one_process(four, name):
     results = [r[name] for r in four.scenario("parity_tp_dp")]
     assert results[0]["mesh"] == ["expert_data_parallel", "expert_parallel", "tensor_parallel"]
