@@ -23,7 +23,7 @@ from lit_parallel.planner.rules import (
     rules_markdown,
     summarize_model,
 )
-from lit_parallel.strategies.auto import pipeline_choice
+from lit_parallel.strategies.auto import strategy_choice
 
 GB = 1e9
 
@@ -107,22 +107,24 @@ def test_rule_4_several_nodes_and_state_fits_only_in_pipeline_stages_gives_pp_dp
     assert not a.warnings
     # the strategy AutoStrategy builds from it: the same stages, sharded inside a node, replicated across nodes
     pipelined = type("PipelinedModule", (), {"pipeline_loss": lambda self, output, targets: output})()
-    assert pipeline_choice(a, pipelined) == (
+    assert strategy_choice(a, pipelined) == (
         "pp_dp",
         {"pipeline_parallel_size": 2, "microbatches": 8, "data_parallel_replicate_size": 2},
     )
     # a module without the pipeline hook gets fsdp_blocks (35 GB per rank over all 32 ranks)
-    assert pipeline_choice(a, object()) == ("fsdp_blocks", {})
+    assert strategy_choice(a, object()) == ("fsdp_blocks", {})
     # 3 nodes: stages must divide the nodes, so 3 stages of one node (140 / 3 GB)
     b = advise(70e9, devices=8, nodes=3, memory_gb=80, block_params=0.86e9)
     assert b.recommendation == "pp_dp" and "pipeline_parallel_size=3" in b.evaluations[-1][2]
 
 
-def test_rule_5_otherwise_fsdp_blocks():
-    # one node: rules 3 and 4 never apply; 20e9 x 16 / 8 = 40 GB per rank
+def test_rule_6_otherwise_fsdp_blocks():
+    # one node: rules 3 and 4 never apply; a parameter count says nothing of experts: rule 5 is n/a;
+    # 20e9 x 16 / 8 = 40 GB per rank
     one_node = advise(20e9, devices=8, memory_gb=80, block_params=0.5e9)
-    assert (one_node.recommendation, one_node.rule.number) == ("fsdp_blocks", 5)
-    assert [holds for _, holds, _ in one_node.evaluations] == [False, False, False, False, True]
+    assert (one_node.recommendation, one_node.rule.number) == ("fsdp_blocks", 6)
+    assert [holds for _, holds, _ in one_node.evaluations] == [False, False, False, False, None, True]
+    assert one_node.strategy_arguments == {} and one_node.choice == "fsdp_blocks"
     assert one_node.row("FSDP/ZeRO-3").state_bytes == pytest.approx(40e9)
     assert not one_node.warnings
     # several nodes, but even one stage per node does not fit: the last resort, with a warning
@@ -143,7 +145,7 @@ def test_a_recommendation_that_does_not_fit_comes_with_a_warning():
 
 
 def test_rules_are_one_ordered_table_shared_with_the_docs():
-    assert [r.strategy for r in RULES] == ["ddp_tuned", "tp_dp", "hsdp", "pp_dp", "fsdp_blocks"]
+    assert [r.strategy for r in RULES] == ["ddp_tuned", "tp_dp", "hsdp", "pp_dp", "fsdp_blocks", "fsdp_blocks"]
     table = rules_markdown().splitlines()
     assert len(table) == 2 + len(RULES)
     assert all(f"`{r.strategy}`" in line for r, line in zip(RULES, table[2:]))
@@ -359,7 +361,7 @@ def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(ca
     monkeypatch.setenv("COLUMNS", "300")
     assert main(["advise", "--params", "70e9", "--devices", "8", "--memory-gb", "80"]) == 0
     out = capsys.readouterr().out
-    line = next(s for s in out.splitlines() if s.strip().startswith("5. fsdp_blocks"))
+    line = next(s for s in out.splitlines() if s.strip().startswith("6. fsdp_blocks"))
     assert "yes" not in line and "last resort" in line and "does not fit" in line and "140.00 GB" in line
     a = advise(70e9, devices=8, memory_gb=80)
     assert a.verdict(RULES[-1], True) == "last resort"
