@@ -145,7 +145,14 @@ def test_a_recommendation_that_does_not_fit_comes_with_a_warning():
 
 
 def test_rules_are_one_ordered_table_shared_with_the_docs():
-    assert [r.strategy for r in RULES] == ["ddp_tuned", "tp_dp", "hsdp", "pp_dp", "fsdp_blocks", "fsdp_blocks"]
+    assert [r.strategy for r in RULES] == [
+        "ddp_tuned",
+        "tp_dp",
+        "hsdp",
+        "pp_dp",
+        "fsdp_blocks",
+        "fsdp_blocks",
+    ]
     table = rules_markdown().splitlines()
     assert len(table) == 2 + len(RULES)
     assert all(f"`{r.strategy}`" in line for r, line in zip(RULES, table[2:]))
@@ -898,3 +905,65 @@ def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, mon
         assert set(entry["time"]) == {"compute_s", "optimizer_s", "comm_s", "step_s"}
     assert set(data["activations_bytes"]) == {"bf16-mixed", "32-true"}
     assert data["batch_size"] == 2 and data["input"] == "tokens (2, 16)"
+
+
+# --- expert parallelism (rule 5) --------------------------------------------------------------------------
+
+# tests/moe_models.py's tiny Mixtral: per layer q, k, v, o (16 x 16 each), the router (4 x 16), the stacked
+# experts [4, 64, 16] and [4, 16, 32], two norms of 16; the embedding and the head (64 x 16 each), a final norm
+MIXTRAL_EXPERTS = 2 * (4 * 64 * 16 + 4 * 16 * 32)
+MIXTRAL_PARAMS = 2 * (4 * 16 * 16 + 4 * 16 + MIXTRAL_EXPERTS // 2 + 2 * 16) + 2 * 64 * 16 + 16
+
+
+def test_advise_lists_fsdp_blocks_with_expert_parallelism_for_an_moe_model(capsys, monkeypatch):
+    from lit_parallel.commands.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    # fp32: DDP holds 16 x P bytes, FSDP (and FSDP+EP) 16 x P / 2; halfway between, less the 10 % headroom
+    memory_gb = (16 * MIXTRAL_PARAMS / 2 + 16 * MIXTRAL_PARAMS) / 2 / 0.9 / 1e9
+    args = ["advise", "--model", "tests.moe_models:mixtral", "--devices", "2", "--memory-gb", str(memory_gb)]
+    args += ["--precision", "32-true", "--device-type", "cpu", "--batch-size", "1", "--seq-len", "2"]
+    assert main([*args, "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "FSDP+EP" in line)
+    assert "fsdp_blocks(expert_parallel_size=2)" in row and "experts / 2 (expert parallel)" in row
+    assert f"{16 * MIXTRAL_PARAMS / 2 / 1e3:.2f} kB" in row  # the state of ZeRO-3 over 2 ranks
+    rule = next(line for line in out.splitlines() if line.strip().startswith("5. fsdp_blocks"))
+    assert "yes" in rule and f"experts hold {MIXTRAL_EXPERTS / MIXTRAL_PARAMS:.0%}" in rule
+    assert (
+        "recommendation: fsdp_blocks(expert_parallel_size=2) (rule 5):"
+        " Trainer(strategy=lp.TransformerFSDPStrategy(expert_parallel_size=2), devices=2, num_nodes=1)"
+    ) in out
+    assert "fsdp_blocks (expert_parallel_size=2)" in out  # its row of the peak prediction
+
+
+def test_the_expert_parallel_step_counts_the_all_to_all_of_every_routed_token():
+    from lit_parallel.commands.advise.report import predict
+
+    pred = predict(
+        "tests.moe_models:mixtral",
+        {},
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=2,
+        seq_len=8,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=10.0,
+        expert_parallel=2,
+    )
+    exchange = pred.expert_exchange()
+    # 2 x 8 tokens, top-2, hidden 16, fp32, in each of 2 MoE layers: dispatch and combine, forward and
+    # backward, and the 4 int64 counts per expert once; half of it leaves the rank (e = 2)
+    per_layer = (4 * 16 * 2 * 16 * 4 + 8 * 4) / 2
+    assert exchange.all_to_all_bytes == 2 * per_layer
+    assert (exchange.expert_params, exchange.expert_parallel, exchange.groups, exchange.calls) == (
+        MIXTRAL_EXPERTS,
+        2,
+        2,  # one FSDP group per stacked-experts module
+        2,
+    )
+    peaks = pred.report.peaks
+    assert peaks["fsdp_blocks_ep"].total < peaks["fsdp_blocks"].total
+    assert pred.report.label("fsdp_blocks_ep") == "fsdp_blocks (expert_parallel_size=2)"
