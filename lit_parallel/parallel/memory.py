@@ -208,7 +208,8 @@ def estimate_comm_bytes(
     if strategy == "ddp":
         if expert_parallel != 1:
             raise ValueError(
-                f"expert_parallel={expert_parallel} with strategy='ddp': DDP replicates every expert"
+                f"expert_parallel={expert_parallel} with strategy='ddp': DDP replicates every expert; expert"
+                " parallelism is estimated for FSDP: strategy='fsdp'"
             )
         return 2 * (n - 1) / n * g * num_params
     if strategy not in ("fsdp", "zero3", "zero2", "hsdp"):
