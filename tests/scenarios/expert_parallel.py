@@ -175,6 +175,16 @@ def parity_fsdp_ep2(ctx) -> dict:
     return _fsdp(ctx, 2)
 
 
+def parity_fsdp_ep2_checkpointed(ctx) -> dict:
+    """With activation checkpointing: the recomputed blocks exchange their tokens again in backward."""
+    return {
+        name: _parity(
+            ctx, name, lp.TransformerFSDPStrategy(expert_parallel_size=2, activation_checkpointing=True)
+        )
+        for name in ("mixtral", "hand")
+    }
+
+
 def exchange_bytes(ctx) -> dict:
     """One forward and backward of a one-layer Mixtral split over 2 expert-parallel ranks, under torch's dispatch-level
     collective counter; returns the all-to-all bytes it saw and the exchange statistics."""

@@ -65,11 +65,10 @@ class ExchangeStats:
 def _all_to_all(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """Differentiable uneven all-to-all of rows (torch.distributed.nn's: backward sends the gradients back)."""
-    from torch.distributed.nn.functional import all_to_all_single
+    """Differentiable uneven all-to-all of rows: backward sends the gradients back the same way."""
+    from lit_parallel._compat import all_to_all_single_autograd
 
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
 def _capacity_keep(sorted_expert: torch.Tensor, counts: list[int], capacity: int) -> torch.Tensor:

@@ -34,7 +34,13 @@ def two(tmp_path_factory, ckpt_dir):
     return launch(
         [
             f"tests.scenarios.expert_parallel:{n}"
-            for n in ("parity_fsdp_ep2", "exchange_bytes", "checkpoint_save", "meta_init")
+            for n in (
+                "parity_fsdp_ep2",
+                "parity_fsdp_ep2_checkpointed",
+                "exchange_bytes",
+                "checkpoint_save",
+                "meta_init",
+            )
         ],
         2,
         tmp_path_factory.mktemp("ep2"),
@@ -133,6 +139,11 @@ def test_fsdp_ep2_matches_one_process(two, name):
     _check_parity(results, name, dp=2)
     _check_holdings(results, copies=1)
     _stacked_experts_per_rank(results, 4)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "hand"])
+def test_activation_checkpointing_with_experts_matches_one_process(two, name):
+    _check_parity([r[name] for r in two.scenario("parity_fsdp_ep2_checkpointed")], name, dp=2)
 
 
 def _routing(tokens: torch.Tensor, world: int):
