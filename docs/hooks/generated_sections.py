@@ -49,6 +49,7 @@ PARALLEL_SECTIONS = [
     ("Transformer blocks", ("lit_parallel.parallel.blocks",)),
     ("FSDP2", ("lit_parallel.parallel.fsdp",)),
     ("Tensor parallelism", ("lit_parallel.parallel.tensor_parallel",)),
+    ("Expert parallelism", ("lit_parallel.parallel.expert_parallel",)),
     ("DDP: buckets and communication hooks", ("lit_parallel.parallel.ddp",)),
     ("Memory and communication estimates", ("lit_parallel.parallel.memory",)),
     ("Counting and timing collectives", ("lit_parallel.measure",)),
@@ -116,7 +117,10 @@ def _cell(text: str) -> str:
     return _inline(" ".join(text.split())).replace("|", "\\|")
 
 
-_ENTRY = re.compile(r"^(\*{0,2}[A-Za-z_][\w.]*(?:, *\*{0,2}[A-Za-z_][\w.]*)*)(?: \(([^)]*)\))?: ?(.*)$")
+# names separated by ", " or " / " (``a / b: the same, ...``)
+_ENTRY = re.compile(
+    r"^(\*{0,2}[A-Za-z_][\w.]*(?:(?:, *| / )\*{0,2}[A-Za-z_][\w.]*)*)(?: \(([^)]*)\))?: ?(.*)$"
+)
 _NAMES_ONLY = re.compile(r"^\*{0,2}[A-Za-z_]\w*(?:, *\*{0,2}[A-Za-z_]\w*)*,$")
 
 
@@ -149,7 +153,7 @@ def _entries(lines: list[str]) -> list[tuple[str, str]]:
 def _table(entries: list[tuple[str, str]], head: str) -> list[str]:
     rows = [f"| {head} | description |", "|---|---|"]
     for names, text in entries:
-        cell = ", ".join(f"`{n.strip()}`" for n in names.split(",")) if names else ""
+        cell = ", ".join(f"`{n.strip()}`" for n in re.split(r",| / ", names)) if names else ""
         rows.append(f"| {cell} | {_cell(text)} |")
     return rows
 
