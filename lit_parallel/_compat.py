@@ -67,6 +67,11 @@ ENTRIES: dict[str, Entry] = {
     "tree_map": Entry(
         f"{_PYTREE}:tree_map", "parallel/tensor_parallel/trace: tag every tensor of a nested output"
     ),
+    "all_to_all_single_autograd": Entry(
+        "torch.distributed._functional_collectives:all_to_all_single_autograd",
+        "parallel/expert_parallel/dispatch: the differentiable uneven all-to-all of tokens to their experts",
+        "torch.distributed.nn.functional.all_to_all_single, deprecated in its favour (a FutureWarning per call)",
+    ),
     "resolve_process_group": Entry(
         f"{_C10D}:_resolve_process_group",
         "measure/collectives: the size of the group a functional collective (DTensor) names by string",

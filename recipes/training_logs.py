@@ -72,7 +72,7 @@ class ParallelDiagnostics(L.Callback):
         info: dict[str, Any] = {"strategy": type(strategy).__name__, "world_size": trainer.world_size}
         advice = getattr(strategy, "advice", None)
         if advice is not None:
-            info["auto_parallel"] = f"{advice.recommendation} (rule {advice.rule.number})"
+            info["auto_parallel"] = f"{advice.choice} (rule {advice.rule.number})"
         plan = getattr(strategy, "plan", None)  # fsdp_blocks / hsdp / tp_dp
         if plan is not None:
             info["blocks_wrapped"] = plan.blocks.describe()

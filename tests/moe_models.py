@@ -55,6 +55,27 @@ def qwen2_moe(seed: int = 0, experts: int = EXPERTS, layers: int = 2) -> nn.Modu
     return Qwen2MoeForCausalLM(config)
 
 
+def olmoe(seed: int = 0, experts: int = EXPERTS, layers: int = 2) -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = OlmoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=24,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=TOP_K,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    return OlmoeForCausalLM(config)
+
+
 class ExpertMLP(nn.Module):
     def __init__(self, hidden: int, inner: int):
         super().__init__()
@@ -147,7 +168,7 @@ def hand_moe(seed: int = 0) -> nn.Module:
     return HandMoELM(seed=seed)
 
 
-MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "hand": hand_moe}
+MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "hand": hand_moe}
 
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

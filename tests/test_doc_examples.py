@@ -223,6 +223,9 @@ COMMANDS: dict[str, Callable[[str, Path], None]] = {
     "PYTHONPATH=.:recipes lit-parallel advise --model recipes.gpt:GPTLanguageModel --batch-size 8 --devices 8"
     " --memory-gb 80 --busbw-gbps 90 --latency-us 40 --json gpt.json": _advise_gpt_json,
     "lit-parallel lab --list": _lab_list,
+    # how-advise-works.md: the tiny Mixtral's experts split by rule 5
+    "lit-parallel advise --model tests.moe_models:mixtral --devices 2 --memory-gb 0.00025 --precision 32-true"
+    " --device-type cpu --batch-size 1 --seq-len 2": _recommends("fsdp_blocks(expert_parallel_size=2)"),
 }
 
 

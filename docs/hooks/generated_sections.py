@@ -36,6 +36,7 @@ PLANNER = [
     "lit_parallel.planner.rules.Rule",
     "lit_parallel.planner.rules.RULES",
     "lit_parallel.planner.rules.usable_memory",
+    "lit_parallel.planner.rules.expert_parallel_choice",
     "lit_parallel.planner.rules.rules_markdown",
     "lit_parallel.planner.memory.table.MemoryRow",
     "lit_parallel.planner.model_summary.summarize_model",

@@ -27,6 +27,10 @@ BENCHMARKS = {
         "lit_parallel.commands.bench.pp",
         "pipeline bubble per rank vs (P-1)/(M+P-1), GPipe and 1F1B, timeline plot",
     ),
+    "ep": (
+        "lit_parallel.commands.bench.ep",
+        "fsdp_blocks with vs without expert parallelism on an MoE model: bytes per collective, step time, plot",
+    ),
     "callbacks": (
         "lit_parallel.commands.bench.callbacks",
         "cost of SetEpochCheck, CrossRankMetrics, PitfallReport and SyncBatchNormConversion per step and epoch",

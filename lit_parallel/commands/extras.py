@@ -14,6 +14,7 @@ import importlib.util
 EXTRAS: dict[str, dict[str, str]] = {
     "demo": {"scikit-learn": "sklearn"},
     "bench": {"matplotlib": "matplotlib"},
+    "moe": {"transformers": "transformers"},
 }
 
 

@@ -14,6 +14,7 @@ Two views, because no single hook sees everything:
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -245,6 +246,11 @@ def _functional_record(name: str, args: tuple) -> Collective | None:
         return Collective("all_gather", nbytes(args[0]) * args[1], args[1])
     if name == "reduce_scatter_tensor":  # (input, reduce_op, group_size, group_name)
         return Collective("reduce_scatter", nbytes(args[0]), args[2])
+    if name == "all_to_all_single":  # (input, output_split_sizes, input_split_sizes, group_name)
+        # payload: what arrives, as for c10d's alltoall_base_ (its output)
+        rows = sum(args[1]) if args[1] else args[0].shape[0]
+        row_bytes = args[0].element_size() * math.prod(args[0].shape[1:])
+        return Collective("all_to_all", rows * row_bytes, _functional_group_size(args[3]))
     if name == "broadcast":  # (input, src, group_name)
         return Collective("broadcast", nbytes(args[0]), _functional_group_size(args[2]))
     return None

@@ -48,6 +48,7 @@ from lit_parallel.parallel.fsdp import (
 )
 from lit_parallel.parallel.memory import (
     MemoryEstimate,
+    estimate_all_to_all_bytes,
     estimate_comm_bytes,
     estimate_memory,
     training_state_bytes,
@@ -102,6 +103,7 @@ __all__ = [
     "CommCounter",
     "count_collectives",
     "divisors",
+    "estimate_all_to_all_bytes",
     "estimate_comm_bytes",
     "estimate_memory",
     "find_transformer_blocks",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lit_parallel._logging import info
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
 from lit_parallel.parallel.expert_parallel import (
     apply_expert_parallel,
@@ -109,6 +110,8 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
         # Experts next (the TP plan leaves them alone): each rank keeps its experts as DTensor shards.
         apply_expert_parallel(experts, dims.expert_mesh())
         blocks = outside_experts(experts, blocks)
+    if config.activation_checkpointing:
+        no_cache_under_recomputation(module)
     for block in blocks:
         # Activation checkpointing wraps the block's forward; FSDP's hooks stay outside it, so the
         # recomputation runs on the parameters FSDP gathered for backward.
@@ -168,6 +171,20 @@ def apply_tensor_parallel(
         # Every rank starts from rank 0's weights, so each one can take its shard locally (no scatter).
         broadcast_from_rank0([*module.parameters(), *module.buffers()], chunk_bytes)
     apply_tp(module, dims.tp_mesh(), plan, src_data_rank=None)
+
+
+def no_cache_under_recomputation(module: nn.Module) -> None:
+    """Turn off a transformers model's key/value cache (``config.use_cache``), as transformers' own gradient
+    checkpointing does: recomputing a block in backward would append its keys and values to the cache a
+    second time, and attention would then see twice the sequence."""
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "use_cache", False) is True:
+            cfg.use_cache = False
+            info(
+                f"activation checkpointing: {type(m).__name__}.config.use_cache set to False (a recomputed"
+                " block would fill the key/value cache twice)"
+            )
 
 
 def apply_activation_checkpointing(block: nn.Module) -> None:

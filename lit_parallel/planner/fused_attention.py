@@ -7,6 +7,12 @@ more activation memory than a real one uses. :func:`fused_attention_on_meta` rou
 fused kernel would take (no dropout, 4-D inputs; grouped-query heads as they are) to the fused op's meta
 implementation instead; a mask that needs a gradient (T5's relative position bias) keeps the math path,
 as it does on a real device.
+
+The same mode lets a grouped matrix product (``torch._grouped_mm``, which transformers' MoE experts call
+through ``F.grouped_mm``) run on meta in every dtype: its meta implementation takes bfloat16 only, while the
+CPU kernel a real step runs takes float32 too. On meta, outside bfloat16, a stand-in returns the product's
+shape and saves what the real op saves for backward (both operands), and its backward allocates the two
+gradients, so a simulated step of an MoE model holds what a real one holds.
 """
 
 from __future__ import annotations
@@ -22,13 +28,51 @@ _ORIGINAL = F.scaled_dot_product_attention
 
 
 class _FusedAttention(TorchFunctionMode):
+    def __init__(self, attention: bool = True) -> None:
+        super().__init__()
+        self.attention = attention
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention or func is _ORIGINAL:
+        if self.attention and (func is F.scaled_dot_product_attention or func is _ORIGINAL):
             out = _fused(*args, **kwargs)
             if out is not None:
                 return out
+        if func in _GROUPED_MM:
+            out = _grouped_mm_on_meta(*args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+
+_GROUPED_MM = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
+
+
+class _MetaGroupedMM(torch.autograd.Function):
+    """``a [S, K] @ b [G, K, N]`` by groups of rows, on meta: shapes only; saves both operands, as the real
+    op does, and allocates both gradients in backward."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a.new_empty((a.shape[0], b.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        grad_a = torch.empty_like(a) if ctx.needs_input_grad[0] else None
+        grad_b = torch.empty_like(b) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None
+
+
+def _grouped_mm_on_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The stand-in's result for a meta call the meta kernel refuses (not bfloat16), else ``None``."""
+    tensors = isinstance(mat_a, torch.Tensor) and isinstance(mat_b, torch.Tensor)
+    if not tensors or not (mat_a.is_meta and mat_b.is_meta) or mat_a.dtype == torch.bfloat16:
+        return None
+    if mat_a.dim() != 2 or mat_b.dim() != 3 or bias is not None or out_dtype not in (None, mat_a.dtype):
+        return None  # only the layout MoE experts use: rows of tokens by groups of stacked weights
+    return _MetaGroupedMM.apply(mat_a, mat_b, offs)
 
 
 def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -54,17 +98,19 @@ def _sdpa(original):
 
 
 @contextmanager
-def fused_attention_on_meta() -> Iterator[None]:
-    """While active, meta-device ``scaled_dot_product_attention`` calls save what the fused kernel saves.
+def fused_attention_on_meta(attention: bool = True) -> Iterator[None]:
+    """While active, meta-device ``scaled_dot_product_attention`` calls save what the fused kernel saves
+    (``attention=False``: they keep the math path), and grouped matrix products run in every dtype.
 
     A torch-function mode catches the calls; so does ``torch.nn.functional``'s own name for the function,
     which ``multi_head_attention_forward`` (``nn.MultiheadAttention``) calls while the mode is handling
     that outer function and so cannot see it.
     """
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _sdpa(original)
+    if attention:
+        F.scaled_dot_product_attention = _sdpa(original)
     try:
-        with _FusedAttention():
+        with _FusedAttention(attention):
             yield
     finally:
         F.scaled_dot_product_attention = original

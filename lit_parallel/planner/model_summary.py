@@ -13,12 +13,19 @@ from torch import nn
 
 from lit_parallel.parallel.blocks import BlockPlan, NoBlocksFoundError, find_transformer_blocks
 from lit_parallel.parallel.example_inputs import NoExampleInput
+from lit_parallel.parallel.expert_parallel import MoELayer, find_moe_layers
 from lit_parallel.planner.activations import ActivationEstimate, estimate_activations
 
 
 @dataclass(frozen=True)
 class ModelSummary:
-    """What the advisor needs to know about a model."""
+    """What the advisor needs to know about a model.
+
+    Attributes:
+        expert_params: elements of every expert weight of its MoE layers (0 without MoE layers).
+        experts_per_layer: the number of experts of each MoE layer, in module order.
+        largest_block_expert_params: of ``largest_block_params``, those that are experts.
+    """
 
     name: str
     params: int
@@ -29,6 +36,9 @@ class ModelSummary:
     block_description: str = ""
     activations: ActivationEstimate | None = None
     notes: tuple[str, ...] = ()
+    expert_params: int = 0
+    experts_per_layer: tuple[int, ...] = ()
+    largest_block_expert_params: int = 0
 
 
 def load_model_class(path: str) -> type:
@@ -155,6 +165,8 @@ def summarize_model(
         seq_len=seq_len,
         example_inputs=example_inputs,
     )
+    layers = _moe_layers(module, notes)
+    largest = _largest_block(plan)
     return ModelSummary(
         name=name,
         params=sum(p.numel() for p in module.parameters()),
@@ -169,7 +181,32 @@ def summarize_model(
         block_description=plan.describe() if plan is not None else (notes[0] if notes else ""),
         activations=activations,
         notes=tuple(notes),
+        expert_params=sum(layer.expert_numel for layer in layers),
+        experts_per_layer=tuple(layer.num_experts for layer in layers),
+        largest_block_expert_params=sum(
+            layer.expert_numel for layer in layers if largest is not None and _inside(layer.module, largest)
+        ),
     )
+
+
+def _moe_layers(module: nn.Module, notes: list[str]) -> list[MoELayer]:
+    """The model's MoE layers (as expert parallelism finds them), or none with a note saying why."""
+    try:
+        return find_moe_layers(module)
+    except ValueError as err:  # experts already split by transformers' own expert parallelism
+        notes.append(f"MoE layers not counted: {err}")
+        return []
+
+
+def _largest_block(plan: BlockPlan | None) -> nn.Module | None:
+    """The block with the most parameters (the first of equals)."""
+    if plan is None or not plan.blocks:
+        return None
+    return max((m for _, m in plan.blocks), key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _inside(module: nn.Module, block: nn.Module) -> bool:
+    return any(m is module for m in block.modules())
 
 
 def shaped_input(shape: tuple[int, ...] | None) -> Any:

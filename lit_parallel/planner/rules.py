@@ -23,6 +23,19 @@ each rank idle for (P - 1) / (M + P - 1) of a step. So it is chosen only when th
 over the devices of one node (FSDP/TP inside a node, what ``hsdp`` keeps) does not fit: then P groups of
 nodes each hold 1/P of the model, sharded inside the group, and M = 4P micro-batches keep the bubble near
 20% or below. With one node, ``fsdp_blocks`` and ``tp_dp`` split the model without a bubble.
+
+When expert parallelism pays (:func:`expert_parallel_choice`, rule 5): under ``fsdp_blocks`` every rank
+gathers every expert of a block in forward and again in backward, although each token uses only its top-k.
+With ``expert_parallel_size = e`` a rank holds ``1/e`` of each MoE layer's experts (FSDP-sharded over the
+``N / e`` ranks that hold the same ones) and gathers only those, and the tokens travel to their experts by an
+all-to-all each way instead. The model state per rank stays FSDP's (``(P - X) / N + (X / e) / (N / e) = P /
+N``); what shrinks is the gathered working set and the experts' all-gather and reduce-scatter bytes, by ``e``
+on the experts' share. So it is chosen when that share is large: experts at least
+:data:`EXPERT_SHARE_THRESHOLD` of the parameters (Mixtral, Qwen-MoE, DeepSeek-MoE: around 90% and more),
+where they are most of what FSDP gathers and the saving outweighs the all-to-alls. ``e`` is the largest size
+that divides both every MoE layer's experts (each rank holds the same number) and the devices of one node:
+the ``e`` ranks of an all-to-all group are consecutive, so they stay inside a node, where the links are fast;
+every MoE layer waits for its all-to-all, and across nodes it would run at the slower inter-node bandwidth.
 """
 
 from __future__ import annotations
@@ -36,10 +49,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_parallel.formatting import GB, format_bytes
+from lit_parallel.formatting import GB, divisors, format_bytes
 from lit_parallel.parallel.pipeline.plan import bubble_fraction
 from lit_parallel.planner.activations import ActivationEstimate, estimate_activations
-from lit_parallel.planner.memory.table import MemoryRow, StateRow, memory_rows, memory_table
+from lit_parallel.planner.memory.table import (
+    MemoryRow,
+    StateRow,
+    expert_parallel_label,
+    memory_rows,
+    memory_table,
+)
 from lit_parallel.planner.model_summary import ModelSummary, build_on_meta, load_model_class, summarize_model
 from lit_parallel.planner.precision import PRECISIONS, PrecisionBytes, canonical_precision, precision_bytes
 
@@ -60,7 +79,9 @@ __all__ = [
     "build_on_meta",
     "CUDA_RESERVED_BYTES",
     "DEFAULT_MEMORY_HEADROOM",
+    "EXPERT_SHARE_THRESHOLD",
     "device_memory_bytes",
+    "expert_parallel_choice",
     "estimate_activations",
     "load_model_class",
     "memory_rows",
@@ -83,6 +104,11 @@ DEFAULT_MEMORY_HEADROOM = 0.10
 # Memory a process takes on a GPU outside PyTorch's caching allocator: the CUDA context (kernels, cuBLAS and
 # cuDNN handles and workspaces) and NCCL's communication buffers; an estimate (docs/how-to/choosing-a-strategy.md)
 CUDA_RESERVED_BYTES = 1.0e9
+# The share of the parameters the experts must hold for expert parallelism to be listed and chosen (rule 5):
+# from half on they are most of what FSDP gathers and reduce-scatters each step and of a block's working set,
+# which expert parallelism divides; below it most of the traffic is unchanged and the all-to-alls (one each
+# way per MoE layer, forward and backward, with a host sync each) may cost more than they save
+EXPERT_SHARE_THRESHOLD = 0.5
 
 
 def usable_memory(capacity_bytes: float, *, memory_headroom: float, device_type: str) -> float:
@@ -137,6 +163,46 @@ def pipeline_check(a: Advice) -> tuple[bool | None, str]:
     )
 
 
+def expert_parallel_choice(summary: ModelSummary | None, devices: int) -> tuple[int | None, str]:
+    """The ``expert_parallel_size`` the advisor uses with ``fsdp_blocks`` for ``summary``'s model on nodes of
+    ``devices`` devices, and why: the largest size above 1 dividing both every MoE layer's experts and
+    ``devices``, when the experts hold at least :data:`EXPERT_SHARE_THRESHOLD` of the parameters; ``1``
+    with the reason when there is none; ``None`` when the model is unknown (a parameter count only)."""
+    if summary is None:
+        return (
+            None,
+            "not evaluated: a parameter count does not say which parameters are experts (pass a model)",
+        )
+    if not summary.experts_per_layer:
+        return 1, "no MoE layers (no stacked expert weights, no ModuleList of experts next to a router)"
+    share = summary.expert_params / summary.params if summary.params else 0.0
+    layers = _experts_phrase(summary.experts_per_layer)
+    held = f"experts hold {share:.0%} of the parameters ({summary.expert_params:,} of {summary.params:,}; {layers})"
+    if share < EXPERT_SHARE_THRESHOLD:
+        return 1, (
+            f"{held}, less than {EXPERT_SHARE_THRESHOLD:.0%}: most of what FSDP gathers is not experts, so"
+            " splitting them would not pay for the all-to-alls"
+        )
+    common = math.gcd(*summary.experts_per_layer)
+    sizes = [d for d in divisors(common) if d > 1 and devices % d == 0]
+    if not sizes:
+        return 1, (
+            f"{held}, but no expert_parallel_size above 1 divides both the experts of every MoE layer"
+            f" ({common} in common) and the {devices} device(s) of a node"
+        )
+    return sizes[-1], (
+        f"{held}; expert_parallel_size={sizes[-1]}: the largest that divides the experts of every MoE layer"
+        f" ({common} in common) and the {devices} devices of a node (all-to-alls stay inside a node)"
+    )
+
+
+def _experts_phrase(experts_per_layer: tuple[int, ...]) -> str:
+    counts = sorted(set(experts_per_layer))
+    each = f"{counts[0]} experts" if len(counts) == 1 else f"{'/'.join(map(str, counts))} experts"
+    n = len(experts_per_layer)
+    return f"{n} MoE layer{'s' if n > 1 else ''} of {each}"
+
+
 # --- the rules ------------------------------------------------------------------------------------------
 
 
@@ -153,6 +219,7 @@ class Rule:
     when: str
     why: str
     check: Callable[[Advice], tuple[bool | None, str]] = field(repr=False, compare=False)
+    argument: str = ""  # the argument of ``strategy`` the rule sets, in words (rule 5: expert_parallel_size)
 
 
 def _rule_fits_one_device(a: Advice) -> tuple[bool | None, str]:
@@ -185,6 +252,25 @@ def _rule_hsdp(a: Advice) -> tuple[bool | None, str]:
         row.fits,
         f"{a.nodes} nodes; sharded inside one node: {format_bytes(row.total_bytes, decimal=True)}{a.memory_phrase(row)}",
     )
+
+
+def _rule_expert_parallel(a: Advice) -> tuple[bool | None, str]:
+    size, reason = expert_parallel_choice(a.model, a.devices)
+    if size is None or size == 1:
+        return None if size is None else False, reason
+    row = a.row("FSDP+EP")
+    block = ""
+    if a.largest_block_params is not None and a.model is not None and a.model.largest_block_expert_params:
+        experts = a.model.largest_block_expert_params
+        gathered = a.largest_block_params - experts + experts // size
+        block = (
+            f"; a rank gathers {gathered:,} of the largest block's {a.largest_block_params:,} parameters (its"
+            f" {experts:,} expert parameters / {size})"
+        )
+    state = f"; per rank {format_bytes(row.total_bytes, decimal=True)} (as FSDP){a.memory_phrase(row)}"
+    if not row.fits:
+        state += ": does not fit either, but nothing above holds"
+    return True, f"{reason}{block}{state}"
 
 
 def _rule_otherwise(a: Advice) -> tuple[bool | None, str]:
@@ -227,6 +313,18 @@ RULES: tuple[Rule, ...] = (
     Rule(
         5,
         "fsdp_blocks",
+        f"the model's experts (its MoE layers) hold at least {EXPERT_SHARE_THRESHOLD:.0%} of its parameters, and"
+        " an expert-parallel size above 1 divides both the experts of every MoE layer and the devices of a node",
+        "each rank then holds and gathers 1/e of every layer's experts (model state per rank as FSDP's), so"
+        " the gathered block and the experts' gather traffic shrink by e; tokens travel to their experts by"
+        " all-to-all instead, which pays when experts are most of the model. e is the largest such size: the"
+        " all-to-all groups stay inside a node",
+        _rule_expert_parallel,
+        argument="expert_parallel_size=e",
+    ),
+    Rule(
+        6,
+        "fsdp_blocks",
         "otherwise",
         "sharding over every rank gives the smallest model state per rank",
         _rule_otherwise,
@@ -238,7 +336,8 @@ def rules_markdown() -> str:
     """The decision table as a Markdown table (printed in the documentation)."""
     lines = ["| # | when | use | why |", "|---|---|---|---|"]
     for rule in RULES:
-        lines.append(f"| {rule.number} | {rule.when} | `{rule.strategy}` | {rule.why} |")
+        use = f"`{rule.strategy}`" + (f" with `{rule.argument}`" if rule.argument else "")
+        lines.append(f"| {rule.number} | {rule.when} | {use} | {rule.why} |")
     return "\n".join(lines)
 
 
@@ -259,7 +358,10 @@ class Advice:
         device_type: ``"cuda"``: :data:`CUDA_RESERVED_BYTES` per process are not available either.
         precision: the Lightning precision flag the accounting uses.
         rows: per-rank memory of every strategy, in table order.
-        recommendation: the registry name of the strategy the rules choose.
+        expert_parallel_size: the expert-parallel size of the FSDP+EP row (:func:`expert_parallel_choice`;
+            1: no such row); rule 5 chooses it.
+        recommendation: the registry name of the strategy the rules choose (its arguments:
+            :attr:`strategy_arguments`).
         rule: the rule that chose it.
         evaluations: ``(rule, holds, evidence)`` of every rule evaluated, in order, up to the chosen one.
         warnings: problems with the recommendation (it does not fit either, ...).
@@ -282,6 +384,21 @@ class Advice:
     warnings: list[str] = field(default_factory=list)
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     device_type: str = "cuda"
+    expert_parallel_size: int = 1
+
+    @property
+    def strategy_arguments(self) -> dict[str, Any]:
+        """The arguments the chosen rule sets on the recommended strategy (rule 5: ``expert_parallel_size``)."""
+        if self.rule is not None and self.rule.argument and self.expert_parallel_size > 1:
+            return {"expert_parallel_size": self.expert_parallel_size}
+        return {}
+
+    @property
+    def choice(self) -> str:
+        """The recommendation with its arguments: ``fsdp_blocks(expert_parallel_size=4)``, or the registry name."""
+        if self.strategy_arguments:
+            return expert_parallel_label(self.expert_parallel_size)
+        return self.recommendation
 
     @property
     def usable_bytes(self) -> float:
@@ -343,6 +460,8 @@ class Advice:
         although its strategy does not fit, ``last resort`` (never "yes" next to "more than")."""
         if holds and rule is RULES[-1] and not self.row("FSDP/ZeRO-3").fits:
             return "last resort"
+        if holds and rule.argument and not self.row("FSDP+EP").fits:  # rule 5 holds whether it fits or not
+            return "last resort"
         return {True: "yes", False: "no", None: "n/a"}[holds]
 
     def memory_phrase(self, row: MemoryRow) -> str:
@@ -360,7 +479,7 @@ class Advice:
         for rule, holds, evidence in self.evaluations:
             mark = self.verdict(rule, holds)
             lines.append(f"  rule {rule.number} ({rule.strategy}): {mark}: {evidence}")
-        lines.append(f"  -> {self.recommendation} (rule {self.rule.number if self.rule else '?'})")
+        lines.append(f"  -> {self.choice} (rule {self.rule.number if self.rule else '?'})")
         lines.append(self.table_text())
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -418,6 +537,8 @@ class Advice:
                 for r in self.rows
             ],
             "recommendation": self.recommendation,
+            "strategy_arguments": self.strategy_arguments,
+            "expert_parallel_size": self.expert_parallel_size,
             "rule": self.rule.number if self.rule else None,
             "evaluations": [
                 {"rule": rule.number, "strategy": rule.strategy, "holds": holds, "evidence": ev}
@@ -531,6 +652,7 @@ def _measure(
     if device_type is None:
         device_type = "cpu" if source.startswith("CPU RAM") else "cuda"
     usable = _checked_usable(memory_bytes, memory_headroom, device_type)
+    ep = expert_parallel_choice(summary, devices)[0] or 1
     advice = Advice(
         params=params,
         trainable_params=summary.trainable_params if summary is not None else params,
@@ -544,6 +666,7 @@ def _measure(
         largest_block_params=block_params,
         memory_headroom=memory_headroom,
         device_type=device_type,
+        expert_parallel_size=ep,
     )
     advice.rows = memory_table(
         params,
@@ -554,6 +677,8 @@ def _measure(
         trainable_params=advice.trainable_params,
         tp_split_params=summary.block_params if summary is not None and summary.num_blocks else None,
         activations=advice.activations,
+        expert_params=summary.expert_params if summary is not None else 0,
+        expert_parallel=ep,
     )
     return advice
 
@@ -605,10 +730,10 @@ def _apply_rules(advice: Advice) -> None:
         if holds:
             advice.recommendation, advice.rule = rule.strategy, rule
             break
-    chosen = next((r for r in advice.rows if r.strategy == advice.recommendation), None)  # pp_dp: none
+    chosen = next((r for r in advice.rows if r.strategy == advice.choice), None)  # pp_dp: none
     if chosen is not None and not chosen.fits:
         advice.warnings.append(
-            f"{advice.recommendation} needs {format_bytes(chosen.total_bytes, decimal=True)} per rank, more"
+            f"{advice.choice} needs {format_bytes(chosen.total_bytes, decimal=True)} per rank, more"
             f" than the {advice.usable_phrase()} of one device: add devices or nodes,"
             " turn on activation_checkpointing, lower the micro-batch, or use cpu_offload=True (fsdp_blocks)"
         )

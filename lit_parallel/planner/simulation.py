@@ -10,7 +10,6 @@ state) is accounted for by :mod:`lit_parallel.planner.memory.peak`, not simulate
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -100,6 +99,9 @@ class StepSimulation:
         grad_bytes: all gradients at the end of backward (in the simulated dtype).
         batch_size: the micro-batch.
         input_description: the input that was simulated.
+        moe_calls: ``(rows, hidden, top_k, num_experts)`` of each MoE layer call in the forward (tokens
+            routed, their width, experts per token, experts in the layer; ``top_k`` ``None`` where the layer
+            does not state it): what expert parallelism's all-to-alls carry.
     """
 
     forward_peak: MemoryPeak
@@ -115,6 +117,35 @@ class StepSimulation:
     grad_bytes: float
     batch_size: int
     input_description: str
+    moe_calls: tuple[tuple[int, int, int | None, int], ...] = ()
+
+
+def _watch_moe_calls(module: nn.Module) -> tuple[list[tuple[int, int, int | None, int]], list[Any]]:
+    """Forward pre-hooks recording ``(rows, hidden, top_k, num_experts)`` of each MoE layer call of ``module`` (a
+    stacked-experts module is called with the routing: ``hidden_states [T, H], top_k_index [T, k]``; a
+    module-list layer with its input ``[..., H]`` and keeps its top-k as an attribute)."""
+    from lit_parallel.parallel.expert_parallel import find_moe_layers
+
+    calls: list[tuple[int, int, int | None, int]] = []
+    handles = []
+    try:
+        layers = find_moe_layers(module)
+    except ValueError:  # experts already split by transformers' own expert parallelism
+        layers = []
+    for layer in layers:
+
+        def hook(m: nn.Module, args: tuple, kwargs: dict, layer: Any = layer) -> None:
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                return
+            top_k = layer.top_k
+            if layer.kind == "stacked":
+                index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+                top_k = index.shape[-1] if isinstance(index, torch.Tensor) and index.dim() else None
+            calls.append((x.numel() // x.shape[-1], x.shape[-1], top_k, layer.num_experts))
+
+        handles.append(layer.module.register_forward_pre_hook(hook, with_kwargs=True))
+    return calls, handles
 
 
 class _BlockMoments:
@@ -204,12 +235,15 @@ def simulate_step(
     target = forward_target(meta, blocks)
     tracker = _Segments(list(meta.parameters()), exact=False, meta=True)
     # fused attention is simulated without checkpointing only: recomputation must see the same ops
-    attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
+    attention = fused_attention_on_meta(attention=not activation_checkpointing)
     moments = _BlockMoments(tracker, blocks)
+    moe_calls, handles = _watch_moe_calls(meta)
     # every moment is split once the step is over, as the measured peak is: a storage saved for backward
     # after a moment (a block's output the next block saves) is an activation at that moment too
     with attention, tracker:
         output = target(*args)
+        for handle in handles:  # the forward's calls only (checkpointing recomputes them in backward)
+            handle.remove()
         moments.finish()
         model_end = tracker.moment()
         loss = default_loss(output, args)
@@ -235,6 +269,7 @@ def simulate_step(
         grad_bytes=float(grads),
         batch_size=example.batch_size,
         input_description=example.description,
+        moe_calls=tuple(moe_calls),
     )
 
 

@@ -83,7 +83,11 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
     4. several nodes, the state sharded inside one node does not fit, but cut into pipeline stages (one
        per group of nodes) it does: ``pp_dp`` with ``microbatches = 4 x stages`` (the bubble, (P - 1) /
        (M + P - 1), is in the evidence); a module without ``pipeline_loss`` gets ``fsdp_blocks``, logged;
-    5. otherwise: ``fsdp_blocks``.
+    5. the model's experts (MoE layers) hold at least half of its parameters and an expert-parallel size
+       above 1 divides both every MoE layer's experts and the devices of a node: ``fsdp_blocks`` with
+       ``expert_parallel_size`` the largest such size (each rank holds and gathers 1/e of the experts;
+       tokens travel to them by all-to-all);
+    6. otherwise: ``fsdp_blocks``.
 
     The decision, the evidence for each rule and the per-rank memory table of every strategy are logged
     on rank 0 (logger ``lit_parallel``) and kept as ``trainer.strategy.advice``
@@ -226,7 +230,7 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
         # chosen strategy then, which holds the model trained so far. A new Trainer decides afresh.
         if self.chosen is None or trainer.strategy is self:
             advice = self.decide(model)
-            name, extra = pipeline_choice(advice, model)
+            name, extra = strategy_choice(advice, model)
             chosen = CANDIDATES[name](**{**extra, **self._kwargs_for(name)})
             self._hand_over(chosen)
             chosen.advice = advice  # type: ignore[attr-defined]
@@ -347,19 +351,25 @@ def _check_candidate_kwargs(name: str, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"strategy_kwargs[{name!r}]={kwargs!r} does not fit {cls.__name__}: {err}") from None
 
 
-def pipeline_choice(advice: Advice | None, model: Any) -> tuple[str, dict[str, Any]]:
-    """The strategy to build for ``advice`` and the arguments the advice sets: for ``pp_dp`` the stages
-    and micro-batches of its evidence, or ``fsdp_blocks`` when the module has no ``pipeline_loss``."""
+def strategy_choice(advice: Advice | None, model: Any) -> tuple[str, dict[str, Any]]:
+    """The strategy to build for ``advice`` and the arguments the advice sets: ``fsdp_blocks``'s
+    ``expert_parallel_size`` (rule 5), for ``pp_dp`` the stages and micro-batches of its evidence, or
+    ``fsdp_blocks`` when the module has no ``pipeline_loss`` (with the expert-parallel size the advisor found
+    for the model, if any: it is what rule 5 would have chosen)."""
     if advice is None:
         return "ddp_tuned", {}
     if advice.recommendation != "pp_dp":
-        return advice.recommendation, {}
+        return advice.recommendation, advice.strategy_arguments
     if not callable(getattr(model, "pipeline_loss", None)):
+        ep = advice.expert_parallel_size
+        extra = {"expert_parallel_size": ep} if ep > 1 else {}
         info(
             "auto_parallel: the advice is pp_dp, but the LightningModule has no pipeline_loss(output, targets)"
-            " (see docs/reference/strategies/pp_dp.md), so fsdp_blocks (sharded over every rank) instead"
+            " (see docs/reference/strategies/pp_dp.md), so fsdp_blocks (sharded over every rank"
+            + (f", expert_parallel_size={ep}" if extra else "")
+            + ") instead"
         )
-        return "fsdp_blocks", {}
+        return "fsdp_blocks", extra
     row = advice.row("HSDP")
     stages = pipeline_plan_for(
         row.state_bytes, row.activation_bytes or 0.0, advice.usable_bytes, advice.nodes

@@ -31,7 +31,6 @@ from lit_parallel._logging import debug, info
 from lit_parallel.parallel.blocks import BlockPlan, find_transformer_blocks
 from lit_parallel.parallel.expert_parallel import (
     ExpertParallelPlan,
-    gather_expert_state,
     plan_expert_parallel,
 )
 from lit_parallel.parallel.fsdp import (
@@ -260,7 +259,17 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         """The MoE layers and their split (``expert_parallel_size > 1``), checked against the model."""
         if self._ep_size == 1:
             return None
-        return plan_expert_parallel(model, self._ep_size, capacity_factor=self._capacity_factor)
+        plan = plan_expert_parallel(model, self._ep_size, capacity_factor=self._capacity_factor)
+        lists = [layer.path for layer in plan.layers if layer.kind == "module_list"]
+        if lists and not _compat.saves_distributed_checkpoint(self):
+            raise ValueError(
+                f"save_distributed_checkpoint=False with expert_parallel_size={self._ep_size}: the experts of"
+                f" {lists[0]!r} (an nn.ModuleList) live on their expert-parallel ranks only, and a full checkpoint"
+                " written by rank 0 would miss the others' experts and their optimizer state. Keep"
+                " save_distributed_checkpoint=True (the default) and convert with `lit-parallel consolidate`"
+                " for one file"
+            )
+        return plan
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -373,14 +382,6 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
             forward_methods=STEP_METHODS,
             filled_by_state_dict=self._init_from is not None,
         )
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self.expert_plan is not None and not _compat.saves_distributed_checkpoint(self):
-            # a full state dict: module-list experts live on their expert-parallel ranks only
-            gather_expert_state(self.expert_plan, state, self.parallel_dims.expert_mesh().get_group())
-        return state
 
     # --- reliability (lit_parallel.reliability; the other hooks: ReliableTrainingMixin) -------------------
 

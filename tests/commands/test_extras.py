@@ -87,8 +87,18 @@ def test_commands_refuse_before_any_work_naming_the_extra_and_the_pip_line(tmp_p
             "matplotlib",
             "bench",
         ),
+        "bench ep": (
+            ["bench", "ep", "--out", str(tmp_path / "ep"), "--json", str(tmp_path / "ep.json")],
+            "transformers",
+            "transformers",
+            "moe",
+        ),
     }
-    absent = [["sklearn", "matplotlib"], ["scikit-learn", "matplotlib"], [r[0] for r in runs.values()]]
+    absent = [
+        ["sklearn", "matplotlib", "transformers"],
+        ["scikit-learn", "matplotlib", "transformers"],
+        [r[0] for r in runs.values()],
+    ]
     res = subprocess.run(
         [sys.executable, "-c", WITHOUT, json.dumps(absent)],
         capture_output=True,

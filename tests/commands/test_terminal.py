@@ -286,6 +286,31 @@ def _bench_pp_result() -> dict:
     return {"config": config, "rows": rows, "timelines": {}, "plots": plots}
 
 
+def _bench_ep_result() -> dict:
+    pytest.importorskip("transformers")
+    from lit_parallel.commands.bench.ep import VARIANTS, _report
+
+    sizes = dict(hidden=32, intermediate=64, experts=8, top_k=2, layers=2, heads=4, vocab=128, seq=16)
+    args = argparse.Namespace(**sizes, batch_size=2, steps=10, repeats=3, expert_parallel_size=2)
+    times = {v: [0.21 - 0.05 * i + 0.001 * r for r in range(3)] for i, v in enumerate(VARIANTS)}
+    ranks = {
+        v: [
+            {
+                "payload": {"all_gather": 889_984 // (1 + 8 * i), "reduce_scatter": 461_440 // (1 + 6 * i)}
+                | {"all_to_all": i * (64 + 1_234 * r)},
+                "local": {},
+                "calls": {"all_gather": 5, "reduce_scatter": 3} | ({"all_to_all": 10} if i else {}),
+                "exchange": {"calls": 2 * i, "rows_sent": 128 * i, "rows_received": (120 + 16 * r) * i}
+                | {"rows_sent_remote": 64 * i, "rows_received_remote": 60 * i, "dropped": 0},
+                "param_bytes": 230_528,
+            }
+            for r in range(2)
+        ]
+        for i, v in enumerate(VARIANTS)
+    }
+    return _report(args, 2, "gloo", times, ranks)
+
+
 def _bench_callbacks_result() -> dict:
     from lit_parallel.commands.bench.callbacks import VARIANTS, _medians
 
@@ -371,6 +396,29 @@ def _bench_values(name: str, result: dict) -> list[str]:
                 f"{r['step_s'] * 1e3:.1f}",
             )
         ] + ["theory (P-1)/(M+P-1)", "idle rank 0", "idle rank 1", *result["plots"]]
+    if name == "ep":
+        return [
+            s
+            for k, x in v.items()
+            for s in (
+                k,
+                x["experts_per_rank"],
+                f"{x['median_step_s'] * 1e3:.1f}",
+                f"{x['tokens_per_s']:,.0f}",
+                f"{x['ratio_vs_fsdp_blocks']:.3f}",
+                format_bytes(x["param_bytes"]),
+                *(
+                    c
+                    for r in x["ranks"]
+                    for c in (
+                        *(format_bytes(r["payload"][kind]) for kind in ("all_gather", "reduce_scatter")),
+                        format_bytes(r["payload"]["all_to_all"]),
+                        format_bytes(r["total"]),
+                        "exact" if r["matches_prediction"] else format_bytes(r["predicted_total"]),
+                    )
+                ),
+            )
+        ] + ["experts/rank", "vs fsdp_blocks", "all-gather", "reduce-scatter", "all-to-all", "predicted"]
     base = v["none"]
     return [
         s
@@ -394,6 +442,7 @@ BENCH_RESULTS = {
     "fsdp": _bench_fsdp_result,
     "tp": _bench_tp_result,
     "pp": _bench_pp_result,
+    "ep": _bench_ep_result,
     "callbacks": _bench_callbacks_result,
 }
 
@@ -415,7 +464,7 @@ def test_bench_report_fits_the_terminal(name, width, capsys, monkeypatch):
 
 DEMO_RESULT = {
     "strategy": "fsdp_blocks",
-    "auto": "rule 5: sharded over all 2 ranks: 2.12 MB <= 14.40 GB usable of 16.00 GB of device memory",
+    "auto": "rule 6: sharded over all 2 ranks: 2.12 MB <= 14.40 GB usable of 16.00 GB of device memory",
     "world_size": 2,
     "backend": "gloo",
     "train_samples": 1437,

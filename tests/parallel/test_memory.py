@@ -8,6 +8,7 @@ import torch
 from lit_parallel.parallel import (
     Collective,
     CommCounter,
+    estimate_all_to_all_bytes,
     estimate_comm_bytes,
     estimate_memory,
     training_state_bytes,
@@ -83,3 +84,92 @@ def test_counter_sees_nothing_without_collectives_and_training_state_bytes_count
     state = training_state_bytes(model, opt)
     assert state["params"] == state["grads"] == 4 * 10
     assert state["optimizer"] == 2 * 4 * 10 + 2 * 4  # exp_avg, exp_avg_sq, and a float32 step per tensor
+
+
+# --- expert parallelism: P parameters, X of them experts, N ranks, e expert-parallel ranks ------------------
+
+X = 750_000  # experts: three quarters of P
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_expert_parallel_leaves_the_state_per_rank_at_zero3s(ep):
+    # (P - X) / N + (X / e) / (N / e) elements per rank: 250_000 / 8 + 750_000 / 8, whatever e is
+    est = estimate_memory(P, strategy="fsdp", world_size=8, expert_params=X, expert_parallel=ep)
+    zero3 = estimate_memory(P, strategy="fsdp", world_size=8)
+    per_rank = 250_000 / 8 + (750_000 / ep) / (8 / ep)
+    assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (
+        4 * per_rank,
+        4 * per_rank,
+        8 * per_rank,
+    )
+    assert est.total_bytes == zero3.total_bytes == 16 * P / 8
+    assert f"{X:,} expert params split over {ep} ranks" in est.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"strategy": "fsdp", "expert_parallel": 3},
+            "expert_parallel=3 does not divide world_size=8",
+        ),
+        ({"strategy": "zero2", "expert_parallel": 2}, "expert_parallel=2 with strategy='zero2'"),
+        ({"strategy": "hsdp", "shard_size": 4, "expert_parallel": 2}, "does not combine with replication"),
+        (
+            {"strategy": "fsdp", "expert_parallel": 2, "expert_params": 2 * P},
+            "must be between 0 and num_params",
+        ),
+        ({"strategy": "fsdp", "expert_parallel": 0}, "expert_parallel=0 must be a positive integer"),
+    ],
+)
+def test_expert_parallel_estimates_refuse_what_no_strategy_runs(kwargs, message):
+    kwargs = {"expert_params": X, **kwargs}
+    with pytest.raises(ValueError) as info:
+        estimate_memory(P, world_size=8, **kwargs)
+    assert message in str(info.value)
+
+
+def test_expert_parallel_communication_gathers_only_the_local_experts_over_their_replicas():
+    # 8 ranks, e = 4: the 250_000 non-expert parameters over all 8 as with FSDP (a root of 50_000 gathered
+    # once), each expert's quarter (187_500) over the 2 ranks holding it: gathered twice and reduce-scattered
+    dense, root, local = P - X, 50_000, X // 4
+    zero3 = 7 / 8 * 4 * (dense + (dense - root) + dense) + 1 / 2 * 4 * (2 * local + local)
+    got = estimate_comm_bytes(
+        P, strategy="fsdp", world_size=8, root_params=root, expert_params=X, expert_parallel=4
+    )
+    assert got == pytest.approx(zero3) and got == pytest.approx(3_575_000)
+    # without expert parallelism every expert crosses all 8 ranks: 7/8 x 4 x (P + (P - root) + P)
+    plain = estimate_comm_bytes(P, strategy="fsdp", world_size=8, root_params=root)
+    assert plain == pytest.approx(7 / 8 * 4 * (3 * P - root)) and plain > 2.8 * got
+    # ZeRO-2 gathers once
+    zero2 = estimate_comm_bytes(
+        P, strategy="zero2", world_size=8, expert_params=X, expert_parallel=4, reshard_after_forward=False
+    )
+    assert zero2 == pytest.approx(7 / 8 * 4 * 2 * dense + 1 / 2 * 4 * 2 * local)
+    # e = N: every rank holds its experts whole, nothing of theirs is gathered
+    alone = estimate_comm_bytes(P, strategy="fsdp", world_size=8, expert_params=X, expert_parallel=8)
+    assert alone == pytest.approx(7 / 8 * 4 * 3 * dense)
+    with pytest.raises(
+        ValueError, match=r"root_params=300000 must be between 0 and num_params - expert_params=250000"
+    ):
+        estimate_comm_bytes(
+            P, strategy="fsdp", world_size=8, root_params=300_000, expert_params=X, expert_parallel=2
+        )
+    with pytest.raises(ValueError, match="DDP replicates every expert"):
+        estimate_comm_bytes(P, strategy="ddp", world_size=8, expert_parallel=2)
+
+
+def test_all_to_all_bytes_are_tokens_times_top_k_times_hidden_four_times_per_moe_layer():
+    # Mixtral-like: 4096 tokens per rank, hidden 4096, top-2 of 8 experts, 32 MoE layers, bf16, e = 8:
+    # dispatch + combine, forward + backward = 4 x 4096 x 2 rows of 4096 x 2 bytes, and 8 int64 counts once;
+    # 7/8 of it leaves the rank when the experts are equally loaded
+    per_layer = 4 * 4096 * 2 * 4096 * 2 + 8 * 8
+    kw = {"hidden": 4096, "top_k": 2, "moe_layers": 32, "num_experts": 8, "element_bytes": 2}
+    got = estimate_all_to_all_bytes(4096, expert_parallel=8, **kw)
+    assert got == 32 * per_layer * 7 / 8 == 7_516_194_560
+    # activation checkpointing recomputes the forward and its exchange: 6 passes of rows, 2 of counts
+    recomputed = estimate_all_to_all_bytes(4096, expert_parallel=8, recompute=True, **kw)
+    assert recomputed == 32 * (6 * 4096 * 2 * 4096 * 2 + 2 * 8 * 8) * 7 / 8
+    assert estimate_all_to_all_bytes(4096, expert_parallel=1, **kw) == 0  # nothing leaves a rank
+    with pytest.raises(ValueError, match="expert_parallel=3 must be at least 1 and divide num_experts=8"):
+        estimate_all_to_all_bytes(4096, expert_parallel=3, **kw)

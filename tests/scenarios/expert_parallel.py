@@ -25,7 +25,7 @@ from tests.scenarios.common import quiet_trainer
 SEQ, PER_RANK_BATCH, LR = 8, 2, 0.1
 STEPS, ACCUMULATE, CLIP = 3, 2, 0.5
 SAMPLES = 48  # 3 steps x 2 micro-batches x 2 samples on up to 4 data-parallel ranks
-MODEL_NAMES = ("mixtral", "qwen2_moe", "hand")
+MODEL_NAMES = ("mixtral", "qwen2_moe", "olmoe", "hand")
 
 
 def lm_dataset(n: int = SAMPLES, seed: int = 0) -> TensorDataset:
@@ -49,9 +49,10 @@ def pipeline_loss(model: torch.nn.Module, batch) -> torch.Tensor:
 
 
 class LitMoE(L.LightningModule):
-    def __init__(self, name: str):
+    def __init__(self, name: str, momentum: float = 0.0):
         super().__init__()
         self.model = MODELS[name]()
+        self.momentum = momentum
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -60,7 +61,7 @@ class LitMoE(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
 class PipelinedMoE(L.LightningModule):
@@ -174,6 +175,16 @@ def parity_fsdp_ep2(ctx) -> dict:
     return _fsdp(ctx, 2)
 
 
+def parity_fsdp_ep2_checkpointed(ctx) -> dict:
+    """With activation checkpointing: the recomputed blocks exchange their tokens again in backward."""
+    return {
+        name: _parity(
+            ctx, name, lp.TransformerFSDPStrategy(expert_parallel_size=2, activation_checkpointing=True)
+        )
+        for name in ("mixtral", "hand")
+    }
+
+
 def exchange_bytes(ctx) -> dict:
     """One forward and backward of a one-layer Mixtral split over 2 expert-parallel ranks, under torch's dispatch-level
     collective counter; returns the all-to-all bytes it saw and the exchange statistics."""
@@ -204,26 +215,59 @@ def exchange_bytes(ctx) -> dict:
     return out
 
 
+class Snapshot(L.Callback):
+    """The unsplit weights right after optimizer step ``at`` (where ModelCheckpoint saves too)."""
+
+    def __init__(self, at: int):
+        self.at, self.params = at, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at and self.params is None:
+            self.params = _full_params(trainer.strategy, pl_module)
+
+
+def _run_and_checkpoint(ctx, name: str, folder: Path, momentum: float = 0.0, **strategy_kwargs) -> dict:
+    """4 optimizer steps without a break, a checkpoint after step 2 (ModelCheckpoint, inside the loop)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module, snapshot = LitMoE(name, momentum), Snapshot(2)
+    saver = ModelCheckpoint(dirpath=folder, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    strategy = lp.TransformerFSDPStrategy(expert_parallel_size=2, **strategy_kwargs)
+    _fit(ctx, strategy, module, steps=4, callbacks=[snapshot, saver], enable_checkpointing=True)
+    return {
+        "path": str(folder / "step=2.ckpt"),
+        "saved": snapshot.params,
+        "continued": module.losses[2 * ACCUMULATE :],
+    }
+
+
 def checkpoint_save(ctx) -> dict:
-    """Train the hand-written MoE and Mixtral 2 steps with expert_parallel_size=2, save a sharded checkpoint,
-    train 2 more; then resume from the checkpoint with the same split and with none (expert_parallel_size=1),
-    and train the same 2 steps."""
+    """Train the hand-written MoE and Mixtral 4 steps with expert_parallel_size=2, checkpointing after step
+    2; resume from that checkpoint with the same split and with none (expert_parallel_size=1) and train the
+    last 2 steps again. Also a full (one-file) checkpoint of Mixtral, and the refusal of one for module-list
+    experts."""
     root = Path(ctx.args["ckpt_dir"])
     out = {}
     for name in ("hand", "mixtral"):
-        path = str(root / f"{name}_ep2.ckpt")
-        module = LitMoE(name)
-        t = _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), module, steps=2)
-        t.save_checkpoint(path)
-        saved = _full_params(t.strategy, module)
-        continued = LitMoE(name)
-        _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), continued, steps=4, ckpt_path=path)
-        resumed = {}
+        out[name] = _run_and_checkpoint(ctx, name, root / name)
+        out[name]["resumed"] = {}
         for ep in (2, 1):
             again = LitMoE(name)
-            _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=ep), again, steps=4, ckpt_path=path)
-            resumed[ep] = again.losses
-        out[name] = {"path": path, "saved": saved, "continued": continued.losses, "resumed": resumed}
+            strategy = lp.TransformerFSDPStrategy(expert_parallel_size=ep)
+            _fit(ctx, strategy, again, steps=4, ckpt_path=out[name]["path"])
+            out[name]["resumed"][ep] = again.losses
+    # a full file (rank 0 writes it) of stacked experts (DTensors), with momentum: Lightning's full-file
+    # resume reads the first optimizer state entry, and plain SGD has none
+    full = _run_and_checkpoint(ctx, "mixtral", root / "full", 0.9, save_distributed_checkpoint=False)
+    again = LitMoE("mixtral", momentum=0.9)
+    _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), again, steps=4, ckpt_path=full["path"])
+    out["mixtral_full"] = {**full, "resumed": again.losses}
+    try:
+        strategy = lp.TransformerFSDPStrategy(expert_parallel_size=2, save_distributed_checkpoint=False)
+        _fit(ctx, strategy, LitMoE("hand"))
+        out["hand_full_refused"] = ""
+    except ValueError as err:
+        out["hand_full_refused"] = str(err)
     return out
 
 
@@ -238,6 +282,11 @@ def parity_fsdp_ep4(ctx) -> dict:
     return _fsdp(ctx, 4)
 
 
+# OLMoE normalises q and k over all heads together (q_norm/k_norm of the full width): tp_dp's plan cannot
+# split that, with or without experts
+TP_MODEL_NAMES = ("mixtral", "qwen2_moe", "hand")
+
+
 def parity_tp_dp(ctx) -> dict:
     return {
         name: _parity(
@@ -245,7 +294,7 @@ def parity_tp_dp(ctx) -> dict:
             name,
             lp.TensorParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2),
         )
-        for name in MODEL_NAMES
+        for name in TP_MODEL_NAMES
     }
 
 
@@ -266,4 +315,28 @@ def checkpoint_reshard(ctx) -> dict:
             t.fit(module, DataLoader(lm_dataset(), batch_size=PER_RANK_BATCH), ckpt_path=path)
             # max_steps=2 was reached by the checkpoint: nothing trained, the loaded weights are unchanged
             out[f"{name}_ep{ep}"] = {"params": _full_params(t.strategy, module), "losses": module.losses}
+    return out
+
+
+class MetaMoE(LitMoE):
+    """Built on the meta device in configure_model: each rank materialises only what it keeps."""
+
+    def __init__(self, name: str):
+        L.LightningModule.__init__(self)
+        self.name, self.momentum, self.losses = name, 0.0, []
+
+    def configure_model(self):
+        if not hasattr(self, "model"):
+            with torch.device("meta"):
+                self.model = MODELS[self.name]()
+
+
+def meta_init(ctx) -> dict:
+    """Mixtral and the hand-written MoE built on the meta device under expert_parallel_size=2: trained 2
+    steps, returned unsplit."""
+    out = {}
+    for name in ("hand", "mixtral"):
+        module = MetaMoE(name)
+        t = _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), module, steps=2)
+        out[name] = {"losses": module.losses, "params": _full_params(t.strategy, module)}
     return out

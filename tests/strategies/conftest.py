@@ -13,6 +13,7 @@ AUTO_SCENARIOS = (
     "picks_fsdp_blocks",
     "picks_tp_dp",
     "setup_built_picks_fsdp_blocks",
+    "picks_fsdp_blocks_with_expert_parallelism",
     "no_parameters_validates",
 )
 

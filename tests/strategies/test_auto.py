@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import lit_parallel as lp
 from lit_parallel.planner.rules import GB, PRECISIONS
 from lit_parallel.strategies.arguments import CommonArguments
+from lit_parallel.strategies.auto import strategy_choice
 from tests.models import Llama, LlamaConfig
+from tests.moe_models import lm_loss, mixtral
 
 CONFIG = LlamaConfig()
 _HEAD_DIM = CONFIG.dim // CONFIG.n_heads
@@ -44,7 +46,7 @@ BLOCK_STATE_BYTES = BLOCK_PARAMS * (FP32.compute + FP32.compute)  # one block's 
 
 PLENTY = None  # the machine's RAM / ranks: the whole state fits -> ddp_tuned (rule 1)
 # halfway between ZeRO-3's model state per rank and DDP's: DDP's state alone does not fit, one block (a
-# fraction of ZeRO-3's state) with its activations does -> fsdp_blocks (rule 5)
+# fraction of ZeRO-3's state) with its activations does -> fsdp_blocks (rule 6; no experts, so not rule 5)
 BETWEEN = (ZERO3_STATE_BYTES + DDP_STATE_BYTES) / 2 / GB
 # half of one block's parameters and gradients: the block does not fit even without activations -> tp_dp
 # (rule 2)
@@ -81,6 +83,35 @@ class SetupBuiltLM(TokenLM):
         if not hasattr(self, "model"):
             torch.manual_seed(0)
             self.model = Llama()
+
+
+# tests/moe_models.py's tiny Mixtral (vocabulary 64, hidden 16, 4 experts of inner size 32, 2 layers): per
+# layer q, k, v, o (16 x 16 each), the router (4 x 16), the stacked experts [4, 64, 16] and [4, 16, 32], two
+# norms; the embedding, the head and a final norm. Its experts are 74 % of its parameters.
+MOE_EXPERTS = 2 * (4 * 64 * 16 + 4 * 16 * 32)
+MOE_PARAMS = 2 * (4 * 16 * 16 + 4 * 16 + 2 * 16) + MOE_EXPERTS + 2 * 64 * 16 + 16
+# halfway between its state sharded over 2 ranks and its whole state: fsdp_blocks, split by rule 5
+MOE_BETWEEN = (FP32.total * MOE_PARAMS / 2 + FP32.total * MOE_PARAMS) / 2 / GB
+
+
+class MoELM(L.LightningModule):
+    """The tiny Mixtral on the same tokens, with its load-balancing loss; the decision's activation estimate
+    is of a micro-batch of 2 tokens (kilobytes: the model state decides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = mixtral()
+        self.losses: list[float] = []
+        self.example_input_array = torch.zeros(1, 2, dtype=torch.long)
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[0]
+        loss = lm_loss(self.model, tokens[:, :-1], tokens[:, 1:])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class NoParameters(L.LightningModule):
@@ -140,6 +171,21 @@ def setup_built_picks_fsdp_blocks(ctx) -> dict:
     return _auto_vs_explicit(ctx, BETWEEN, lp.TransformerFSDPStrategy(), module=SetupBuiltLM)
 
 
+def picks_fsdp_blocks_with_expert_parallelism(ctx) -> dict:
+    """An MoE model whose experts dominate: fsdp_blocks with expert_parallel_size=2, trained exactly like it."""
+    auto_trainer, auto_model = _fit(lp.AutoStrategy(memory_gb=MOE_BETWEEN), ctx.world_size, MoELM)
+    _, explicit_model = _fit(lp.TransformerFSDPStrategy(expert_parallel_size=2), ctx.world_size, MoELM)
+    strategy = auto_trainer.strategy
+    return {
+        "class": type(strategy).__name__,
+        "rule": strategy.advice.rule.number,
+        "arguments": strategy.advice.strategy_arguments,
+        "split": strategy.expert_plan.size if strategy.expert_plan is not None else None,
+        "auto_losses": auto_model.losses,
+        "explicit_losses": explicit_model.losses,
+    }
+
+
 def no_parameters_validates(ctx) -> dict:
     """A model with no parameters at all: nothing to shard, so ddp_tuned (no advice), and validate runs."""
     trainer = L.Trainer(
@@ -163,9 +209,9 @@ def no_parameters_validates(ctx) -> dict:
     ("scenario", "cls", "name", "rule"),
     [
         ("picks_ddp_tuned", "TunedDDPStrategy", "ddp_tuned", 1),
-        ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 5),
+        ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 6),
         ("picks_tp_dp", "TensorParallelStrategy", "tp_dp", 2),
-        ("setup_built_picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 5),
+        ("setup_built_picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 6),
     ],
 )
 def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_like_it(
@@ -175,6 +221,26 @@ def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_
         assert (r["class"], r["recommendation"], r["rule"]) == (cls, name, rule), f"rank {rank}"
         assert len(r["auto_losses"]) == 3
         assert r["params"] == PARAMS  # the whole model measured, also when setup() builds it
+        torch.testing.assert_close(
+            torch.tensor(r["auto_losses"]), torch.tensor(r["explicit_losses"]), rtol=1e-6, atol=0
+        )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+def test_auto_parallel_splits_the_experts_of_an_moe_model_and_trains_exactly_like_fsdp_blocks_with_them(
+    lightning_launcher_two_ranks,
+):
+    for rank, r in enumerate(
+        lightning_launcher_two_ranks.scenario("picks_fsdp_blocks_with_expert_parallelism")
+    ):
+        assert (r["class"], r["rule"], r["arguments"], r["split"]) == (
+            "TransformerFSDPStrategy",
+            5,
+            {"expert_parallel_size": 2},
+            2,
+        ), f"rank {rank}"
+        assert len(r["auto_losses"]) == 3
         torch.testing.assert_close(
             torch.tensor(r["auto_losses"]), torch.tensor(r["explicit_losses"]), rtol=1e-6, atol=0
         )
@@ -195,11 +261,12 @@ def test_the_parameter_counts_follow_from_the_layer_sizes():
     assert all(sum(p.numel() for p in block.parameters()) == BLOCK_PARAMS for block in model.layers)
 
 
-def _connected(strategy: lp.AutoStrategy, num_nodes: int = 1) -> L.Trainer:
-    """A Trainer of ``num_nodes`` x 2 devices with ``strategy`` and a TokenLM attached and connected, as
-    ``fit`` does before launching ranks: the strategy has chosen, and ``trainer.strategy`` is the chosen one."""
+def _connected(strategy: lp.AutoStrategy, num_nodes: int = 1, module=TokenLM) -> L.Trainer:
+    """A Trainer of ``num_nodes`` x 2 devices with ``strategy`` and a ``module`` (a TokenLM) attached and
+    connected, as ``fit`` does before launching ranks: the strategy has chosen, and ``trainer.strategy`` is
+    the chosen one."""
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=num_nodes, strategy=strategy, logger=False)
-    model = TokenLM()
+    model = module()
     model.trainer = trainer  # as fit attaches it before connecting
     trainer.strategy._lightning_module = model
     trainer.strategy.connect(model)
@@ -207,7 +274,7 @@ def _connected(strategy: lp.AutoStrategy, num_nodes: int = 1) -> L.Trainer:
 
 
 @pytest.mark.parametrize(
-    ("memory_gb", "name", "rule"), [(BETWEEN, "fsdp_blocks", 5), (TINY, "tp_dp", 2)], ids=["between", "tiny"]
+    ("memory_gb", "name", "rule"), [(BETWEEN, "fsdp_blocks", 6), (TINY, "tp_dp", 2)], ids=["between", "tiny"]
 )
 def test_the_memory_settings_of_the_launched_scenarios_land_on_their_rules(memory_gb, name, rule):
     # the same decision the launched scenarios above make on each rank, made here in one process
@@ -338,3 +405,47 @@ def test_a_module_connected_before_a_trainer_holds_it_gets_the_default_until_fit
     trainer.validate_loop.setup_data()
     (loader,) = trainer.validate_loop._combined_loader.flattened
     assert isinstance(loader.sampler, DistributedSampler) and loader.sampler.num_replicas == 2
+
+
+def test_an_moe_model_whose_experts_dominate_gets_fsdp_blocks_with_its_experts_split():
+    # the same decision the launched scenario makes on each rank, made here in one process
+    s = _connected(lp.AutoStrategy(memory_gb=MOE_BETWEEN), module=MoELM).strategy
+    assert type(s) is lp.TransformerFSDPStrategy and s._ep_size == 2
+    assert (s.advice.rule.number, s.advice.strategy_arguments) == (5, {"expert_parallel_size": 2})
+    assert (s.advice.params, s.advice.model.expert_params) == (MOE_PARAMS, MOE_EXPERTS)
+    # the split state per rank is ZeRO-3's: 16 bytes x P / 2
+    assert s.advice.row("FSDP+EP").state_bytes == FP32.total * MOE_PARAMS / 2
+    # arguments given for fsdp_blocks win over the advisor's
+    given = lp.AutoStrategy(
+        memory_gb=MOE_BETWEEN, strategy_kwargs={"fsdp_blocks": {"expert_parallel_size": 1}}
+    )
+    assert _connected(given, module=MoELM).strategy._ep_size == 1
+
+
+def test_a_dense_model_gets_fsdp_blocks_without_expert_parallelism():
+    s = _connected(lp.AutoStrategy(memory_gb=BETWEEN)).strategy
+    assert type(s) is lp.TransformerFSDPStrategy and s._ep_size == 1
+    rule, holds, evidence = s.advice.evaluations[4]
+    assert (rule.number, holds, s.advice.rule.number) == (5, False, 6) and evidence.startswith(
+        "no MoE layers"
+    )
+
+
+def test_when_pp_dp_falls_back_to_fsdp_blocks_an_moe_model_keeps_its_expert_split():
+    from lit_parallel.planner.rules import advise
+
+    # 2 nodes x 2 devices: the state sharded inside a node (16 x P / 2) does not fit, cut into 2 stages of a
+    # node each (16 x P / 4) it does: pp_dp; a module without pipeline_loss gets fsdp_blocks instead
+    usable = FP32.total * MOE_PARAMS * (1 / 2 + 1 / 4) / 2
+    a = advise(
+        model=mixtral(),
+        devices=2,
+        nodes=2,
+        memory_gb=usable / 0.9 / GB,
+        precision="32-true",
+        device_type="cpu",
+        batch_size=1,
+        seq_len=2,
+    )
+    assert a.recommendation == "pp_dp" and a.expert_parallel_size == 2
+    assert strategy_choice(a, object()) == ("fsdp_blocks", {"expert_parallel_size": 2})

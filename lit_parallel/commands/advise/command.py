@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     print_advice(advice)
     out = advice.as_dict()
     if args.model:
-        out.update(_predict_and_verify(args))
+        out.update(_predict_and_verify(args, advice.expert_parallel_size))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
@@ -287,8 +287,9 @@ def _check_prediction_arguments(args: argparse.Namespace) -> None:
             )
 
 
-def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D401
-    """Peak memory and step time of every strategy; with ``--verify``, predicted vs measured here."""
+def _predict_and_verify(args: argparse.Namespace, expert_parallel: int = 1) -> dict[str, Any]:  # noqa: D401
+    """Peak memory and step time of every strategy (``fsdp_blocks`` with the advisor's
+    ``expert_parallel_size`` too, when above 1); with ``--verify``, predicted vs measured here."""
     from lit_parallel.commands.advise.compare import print_cluster, print_verification, verify
     from lit_parallel.commands.advise.report import predict, print_prediction
     from lit_parallel.commands.terminal import terminal_console
@@ -311,6 +312,7 @@ def _predict_and_verify(args: argparse.Namespace) -> dict[str, Any]:  # noqa: D4
             latency_s=args.latency_us * 1e-6,
             input_shape=args.input_shape,
             costs=getattr(args, "cluster_costs", None),
+            expert_parallel=expert_parallel,
         )
     except NoExampleInput as err:
         console.print(f"[yellow]note[/yellow]: no peak prediction: {escape(str(err))}")
@@ -361,7 +363,7 @@ def _advice_table(a: Advice, width: int) -> Any:
             cells += [_gb(r.activation_bytes), _gb(r.total_bytes)]
         cells.append("[green]yes[/green]" if r.fits else "[red]no[/red]")
         rows.append(cells)
-    styles = ["bold" if r.strategy == a.recommendation else None for r in a.rows]
+    styles = ["bold" if r.strategy == a.choice else None for r in a.rows]
     return fit_table(
         columns,
         rows,
@@ -403,9 +405,13 @@ def print_advice(a: Advice) -> None:
         }.get(mark, mark)
         console.print(f"  {rule.number}. {rule.strategy}: {mark}: {evidence}")
     rule_no = a.rule.number if a.rule else "?"
+    strategy = f'"{a.recommendation}"'
+    if a.strategy_arguments:  # a registry name takes no arguments: the class with them
+        args = ", ".join(f"{k}={v!r}" for k, v in a.strategy_arguments.items())
+        strategy = f"lp.TransformerFSDPStrategy({args})"
     console.print(
-        f"[bold]recommendation: {a.recommendation}[/bold] (rule {rule_no}):"
-        f' Trainer(strategy="{a.recommendation}", devices={a.devices}, num_nodes={a.nodes}); or'
+        f"[bold]recommendation: {escape(a.choice)}[/bold] (rule {rule_no}):"
+        f" Trainer(strategy={escape(strategy)}, devices={a.devices}, num_nodes={a.nodes}); or"
         ' strategy="auto_parallel" to decide at setup'
     )
     for note in a.model.notes if a.model is not None else ():

@@ -17,14 +17,16 @@ from torch import nn
 
 from lit_parallel.formatting import format_bytes
 from lit_parallel.measure.live_memory import CATEGORIES
+from lit_parallel.parallel.memory import estimate_all_to_all_bytes
 from lit_parallel.parallel.tensor_parallel.plan import TPPlan
-from lit_parallel.planner.memory.peak import LABELS, PeakReport
+from lit_parallel.planner.memory.peak import EXPERT_PARALLEL, PeakReport
 from lit_parallel.planner.memory.predict import predict_peaks
 from lit_parallel.planner.model_summary import meta_model, shaped_input
 from lit_parallel.planner.precision import compute_dtype
 from lit_parallel.planner.time.calibration import StrategyCost
 from lit_parallel.planner.time.pipeline import StageWork
 from lit_parallel.planner.time.step import (
+    ExpertExchange,
     StepTime,
     collectives_per_step,
     comm_seconds,
@@ -35,7 +37,7 @@ MEMORY_TARGET, TIME_TARGET = 0.10, 0.25  # the planner's published error targets
 # time the whole model (or else its largest block) only when it takes less than this share of RAM
 STEP_TIME_BLOCK_LIMIT = 0.05
 # strategies never measured in a launch priced with the measured cost of the closest one
-_COST_OF = {"hsdp": "fsdp_blocks", "tp_dp": "fsdp_blocks"}
+_COST_OF = {"hsdp": "fsdp_blocks", "tp_dp": "fsdp_blocks", EXPERT_PARALLEL: "fsdp_blocks"}
 
 
 @dataclass
@@ -83,6 +85,24 @@ class Prediction:
         step = compute + opt + (comm or 0.0) + self.overhead_s
         return {"compute_s": compute, "optimizer_s": opt, "comm_s": comm, "step_s": step}
 
+    def expert_exchange(self) -> ExpertExchange:
+        """What ``fsdp_blocks_ep`` splits and exchanges per step: the experts over the report's
+        expert-parallel size, the FSDP groups they add, and the all-to-all bytes of the simulated MoE calls
+        (tokens routed, top-k, hidden width; in the compute dtype, the experts equally loaded)."""
+        r = self.report
+        ep = r.expert_parallel_size
+        if ep == 1:
+            return ExpertExchange()
+        c = 4 if r.precision == "32-true" else 2
+        sent = sum(
+            estimate_all_to_all_bytes(
+                rows, hidden=h, top_k=k, moe_layers=1, num_experts=e, expert_parallel=ep, element_bytes=c
+            )
+            for rows, h, k, e in r.moe_calls
+            if k is not None
+        )
+        return ExpertExchange(r.shape.expert_params, ep, r.shape.expert_groups(ep), len(r.moe_calls), sent)
+
     def _comm_s(self, strategy: str) -> float:
         r = self.report
         grad = 4 if r.precision in ("32-true",) else 2
@@ -90,7 +110,9 @@ class Prediction:
         cost = (
             self.costs.get(strategy if own_cost else _COST_OF.get(strategy, strategy)) if self.costs else None
         )
-        root = r.shape.params - r.shape.block_params
+        experts = self.expert_exchange() if strategy == EXPERT_PARALLEL else ExpertExchange()
+        # the root FSDP group: the parameters outside blocks, experts excepted (they are groups of their own)
+        root = min(r.shape.params - r.shape.block_params, r.shape.params - experts.expert_params)
 
         def sent(latency_s: float) -> float:  # the step's bytes at the bus bandwidth, latency_s per call
             return comm_seconds(
@@ -103,12 +125,19 @@ class Prediction:
                 latency_s=latency_s,
                 groups=self.groups,
                 root_params=root,
+                experts=experts,
             )
 
         if cost is None or strategy == "one_process" or r.devices * r.nodes == 1:
             return sent(self.latency_s)
         if not own_cost:  # priced with another strategy's cost: its own bytes at the bus bandwidth
-            calls = collectives_per_step(strategy, groups=self.groups, grad_bytes=r.shape.params * grad)
+            calls = collectives_per_step(
+                strategy,
+                groups=self.groups,
+                grad_bytes=r.shape.params * grad,
+                expert_groups=experts.groups,
+                moe_calls=experts.calls,
+            )
             more_calls = calls - collectives_per_step("fsdp_blocks", groups=self.groups, grad_bytes=grad)
             own = cost.seconds(self.groups, self.timing.tensors, cost.reference_bytes)  # no per-byte part
             return sent(0.0) + max(0, more_calls) * self.latency_s + own
@@ -242,9 +271,11 @@ def predict(
     latency_s: float = 0.0,
     input_shape: tuple[int, ...] | None = None,
     costs: dict[str, StrategyCost] | None = None,
+    expert_parallel: int = 1,
 ) -> Prediction:
     """Peak memory of every strategy, and the step time when the model (or its largest block) can be timed
-    here; ``costs``: what each strategy adds per step on the cluster (``advise --cluster``)."""
+    here; ``costs``: what each strategy adds per step on the cluster (``advise --cluster``);
+    ``expert_parallel``: above 1, ``fsdp_blocks`` with that ``expert_parallel_size`` too (the advisor's)."""
     name, module, names, largest = meta_model(path, kwargs)
     given = shaped_input(input_shape)
     tp, why = tp_plan(module, devices) if devices > 1 else (None, "")
@@ -259,7 +290,13 @@ def predict(
         device_type=device_type,
         example_inputs=given(batch_size or 1) if given else None,
         tp_plan=tp,
+        expert_parallel=expert_parallel,
     )
+    if expert_parallel > 1 and any(k is None for _, _, k, _ in report.moe_calls):
+        report.notes.append(
+            f"{report.label(EXPERT_PARALLEL)}: the all-to-all bytes of MoE layers without a top_k attribute"
+            " are not counted in its step time"
+        )
     pred = Prediction(
         name,
         report,
@@ -394,7 +431,7 @@ def print_prediction(pred: Prediction, console: Any) -> None:
         t = pred.step_s(s)["step_s"]
         rows.append(
             [
-                escape(LABELS[s]),
+                escape(r.label(s)),
                 *(b(getattr(p, c)) for c in CATEGORIES),
                 b(p.total),
                 b(r.peaks_checkpointed[s].total),

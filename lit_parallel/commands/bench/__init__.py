@@ -17,12 +17,13 @@ from typing import Any
 
 from lit_parallel.commands.extras import require_extra
 
-# name -> module; the strategy benchmarks run by default, "pp" and "callbacks" on request
+# name -> module; the strategy benchmarks run by default, "pp", "ep" and "callbacks" on request
 BENCHMARKS = {
     "ddp": "lit_parallel.commands.bench.ddp",
     "fsdp": "lit_parallel.commands.bench.fsdp",
     "tp": "lit_parallel.commands.bench.tp",
     "pp": "lit_parallel.commands.bench.pp",
+    "ep": "lit_parallel.commands.bench.ep",
     "callbacks": "lit_parallel.commands.bench.callbacks",
 }
 DEFAULT = ("ddp", "fsdp", "tp")
@@ -36,6 +37,8 @@ QUICK = {
     + ["--warmup=2", "--repeats=1"],
     "pp": ["--dim=32", "--layers=2", "--seq=8", "--batch-size=8", "--microbatches=2,4", "--steps=1"]
     + ["--warmup=1"],
+    "ep": ["--hidden=32", "--intermediate=64", "--layers=2", "--vocab=128", "--seq=16", "--batch-size=2"]
+    + ["--steps=1", "--warmup=2", "--repeats=1"],
     "callbacks": ["--width=64", "--batch-size=16", "--steps=4", "--epochs=1", "--warmup=1", "--repeats=1"],
 }
 
@@ -57,7 +60,11 @@ PLOTS = {
     "bytes_communicated": (
         "bytes communicated per step and rank",
         "MB",
-        [("sent_bytes_per_step", 1e-6, "sent (ring collectives)"), ("bytes_per_step", 1e-6, "all-reduced")],
+        [
+            ("sent_bytes_per_step", 1e-6, "sent (ring collectives)"),
+            ("bytes_per_step", 1e-6, "all-reduced"),
+            ("payload_bytes_per_step", 1e-6, "payload: all-gather + reduce-scatter + all-to-all"),
+        ],
     ),
 }
 
@@ -88,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.devices < 1:
         raise ValueError(f"--devices={args.devices} must be at least 1")
     require_extra("bench", "the plots bench all draws")  # before any benchmark runs or a file is written
+    if "ep" in names:
+        require_extra("moe", "bench ep's Mixtral model")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}

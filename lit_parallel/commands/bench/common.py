@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_parallel.measure.collectives import CommCounter
+from lit_parallel.measure.collectives import Collective, CommCounter
 
 
 class StepProbe(L.Callback):
-    """Times every training batch (batch end to batch end) and counts the collectives of one step.
+    """Times every training batch (batch end to batch end) and counts the collectives of one step
+    (``sent``, ``counts``, and every call in ``records``).
 
     The counted step is the last warm-up step (``warmup - 1``), which is not timed, so counting costs
     no timed step anything.
@@ -29,6 +30,7 @@ class StepProbe(L.Callback):
         self.counter: CommCounter | None = None
         self.sent = 0.0
         self.counts: dict[str, int] = {}
+        self.records: list[Collective] = []
 
     def on_train_start(self, trainer, pl_module):
         self.ends = [time.perf_counter()]
@@ -42,6 +44,7 @@ class StepProbe(L.Callback):
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.sent, self.counts = self.counter.sent_bytes(), self.counter.counts()
+            self.records = list(self.counter.records)
             self.counter = None
         if self.use_gpu:
             torch.cuda.synchronize()

@@ -38,6 +38,7 @@ from torch import nn
 
 from lit_parallel.parallel.expert_parallel.discovery import MoELayer, find_moe_layers
 from lit_parallel.parallel.expert_parallel.dispatch import ExchangeStats, dispatch_combine
+from lit_parallel.parallel.expert_parallel.families import NUM_EXPERTS_ATTRIBUTES
 
 if TYPE_CHECKING:
     from lit_parallel.parallel.mesh import ParallelDims
@@ -51,7 +52,6 @@ __all__ = [
     "experts_sharded_first",
     "outside_experts",
     "without_expert_modules",
-    "gather_expert_state",
     "plan_expert_parallel",
     "shard_experts",
 ]
@@ -169,9 +169,7 @@ class _StackedForward:
         self.plan = plan
         self.ep = dist.get_world_size(group)
         self.names = [n for n, _ in layer.module.named_parameters(recurse=False)]
-        self.count_attribute = next(
-            a for a in ("num_experts", "num_local_experts", "n_routed_experts") if hasattr(layer.module, a)
-        )
+        self.count_attribute = next(a for a in NUM_EXPERTS_ATTRIBUTES if hasattr(layer.module, a))
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         tokens, k = top_k_index.shape
@@ -280,6 +278,30 @@ class _Calls:
         self.cursor += 1
         return self.results[self.cursor - 1]
 
+    def rows(self, hidden: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every recorded input as rows ``[N, hidden]``, and each row's expert."""
+        flat = [x.reshape(-1, hidden) for _, x in self.inputs] or [like.new_zeros(0, hidden)]
+        experts = [
+            torch.full((f.shape[0],), i, dtype=torch.long, device=like.device)
+            for (i, _), f in zip(self.inputs, flat)
+        ] or [torch.zeros(0, dtype=torch.long, device=like.device)]
+        return torch.cat(flat), torch.cat(experts)
+
+    def replay_with(self, y: torch.Tensor) -> None:
+        """From now on, return the experts' outputs ``y`` (rows in recorded order), shaped as each call's input."""
+        sizes = [x.reshape(-1, x.shape[-1]).shape[0] for _, x in self.inputs]
+        parts = y.split(sizes) if self.inputs else []
+        self.results = [p.reshape(*x.shape[:-1], p.shape[-1]) for p, (_, x) in zip(parts, self.inputs)]
+        self.replay = True
+
+    def check_all_replayed(self) -> None:
+        if self.cursor != len(self.inputs):
+            raise RuntimeError(
+                f"an MoE layer called its experts {self.cursor} times in its second run and {len(self.inputs)}"
+                " times in its first, on the same input and random state; expert parallelism needs the same"
+                " calls both times"
+            )
+
 
 def _rng_states(device: torch.device) -> tuple:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -293,6 +315,7 @@ def _set_rng_states(states: tuple, device: torch.device) -> None:
 
 
 def _first_tensor(args: Iterable[Any]) -> torch.Tensor | None:
+    """The layer's input (its first tensor argument): where the random state and new rows live."""
     return next((a for a in args if isinstance(a, torch.Tensor)), None)
 
 
@@ -312,30 +335,18 @@ class _ListForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         real = self.module._modules[self.name]
-        x0 = _first_tensor([*args, *kwargs.values()])
-        device = x0.device if x0 is not None else torch.device("cpu")
+        x = _first_tensor([*args, *kwargs.values()])
+        if x is None:
+            raise TypeError(
+                f"{type(self.module).__name__}.forward got no tensor: an MoE layer routes its input"
+            )
         calls = _Calls()
-        stands = nn.ModuleList([_Stand(i, calls) for i in range(self.num_experts)])
-        start = _rng_states(device)
-        self.module._modules[self.name] = stands
+        start = _rng_states(x.device)
+        self.module._modules[self.name] = nn.ModuleList([_Stand(i, calls) for i in range(self.num_experts)])
         try:
             self.own(*args, **kwargs)  # the routing run: records each expert's rows
-            after = _rng_states(device)
-            hidden = calls.inputs[0][1].shape[-1] if calls.inputs else (x0.shape[-1] if x0 is not None else 0)
-            flat = [x.reshape(-1, hidden) for _, x in calls.inputs]
-            rows = (
-                torch.cat(flat) if flat else (x0 if x0 is not None else torch.zeros(0)).new_zeros(0, hidden)
-            )
-            expert = (
-                torch.cat(
-                    [
-                        torch.full((f.shape[0],), i, dtype=torch.long, device=rows.device)
-                        for (i, _), f in zip(calls.inputs, flat)
-                    ]
-                )
-                if flat
-                else torch.zeros(0, dtype=torch.long, device=rows.device)
-            )
+            after = _rng_states(x.device)
+            rows, expert = calls.rows(x.shape[-1], x)
             y = dispatch_combine(
                 rows,
                 expert,
@@ -347,21 +358,11 @@ class _ListForward:
                 capacity_factor=self.plan.capacity_factor,
                 stats=self.plan.stats,
             )
-            sizes = [f.shape[0] for f in flat]
-            calls.results = [
-                part.reshape(x.shape[:-1] + part.shape[-1:])
-                for part, (_, x) in zip(y.split(sizes), calls.inputs)
-            ]
-            calls.replay = True
-            _set_rng_states(start, device)
+            calls.replay_with(y)
+            _set_rng_states(start, x.device)
             out = self.own(*args, **kwargs)  # the computing run: the experts' outputs, with gradients
-            if calls.cursor != len(calls.inputs):
-                raise RuntimeError(
-                    f"an MoE layer called its experts {calls.cursor} times in its second run and"
-                    f" {len(calls.inputs)} times in its first, on the same input and random state; expert"
-                    " parallelism needs the same calls both times"
-                )
-            _set_rng_states(after, device)
+            calls.check_all_replayed()
+            _set_rng_states(after, x.device)
         finally:
             self.module._modules[self.name] = real
         return out
@@ -445,36 +446,6 @@ def shard_experts(
             fully_shard(module, mesh=fsdp_mesh, **fsdp_kwargs)
             if layer.kind == "module_list":
                 _NORM_GROUPS[_mesh_key(fsdp_mesh)] = expert_group
-
-
-def gather_expert_state(
-    plan: ExpertParallelPlan, state: dict[str, torch.Tensor], group: dist.ProcessGroup
-) -> None:
-    """Complete a full state dict with the module-list experts other expert-parallel ranks hold: every rank
-    makes its own experts' tensors whole (a collective over the ranks holding them), then the
-    expert-parallel ranks exchange them; ``state`` gains the missing keys wherever it is not empty."""
-    from torch.distributed.tensor import DTensor
-
-    mine: dict[str, torch.Tensor] = {}
-    for layer in plan.layers:
-        if layer.kind != "module_list":
-            continue
-        prefix = f"{layer.path}." if layer.path else ""
-        experts = getattr(layer.module, layer.experts_name or "")
-        for i, expert in enumerate(experts):
-            if isinstance(expert, RemoteExpert):
-                continue
-            for name, t in expert.state_dict().items():
-                full = t.full_tensor() if isinstance(t, DTensor) else t
-                mine[f"{prefix}{layer.experts_name}.{i}.{name}"] = full.detach().cpu()
-    if not mine and not any(layer.kind == "module_list" for layer in plan.layers):
-        return
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if state:
-        for part in everyone:
-            for key, value in part.items():
-                state.setdefault(key, value)
 
 
 def experts_sharded_first(

@@ -6,8 +6,8 @@ same two all-to-alls in reverse, with the same split sizes). No pair is dropped 
 given; then each expert takes at most ``ceil(capacity_factor * pairs / num_experts)`` of a rank's pairs, in
 token order, and the rest contribute zero (counted in :class:`ExchangeStats`).
 
-Host syncs: one per call (the split sizes, read together with the capacity counts); the all-to-all of
-uneven sizes needs them on the host. On CUDA the tensors stay on the device.
+Host syncs: one per call (the split sizes; two with a capacity factor, whose kept counts are exchanged
+again): an all-to-all of uneven sizes takes them as host integers. The rows themselves stay on the device.
 """
 
 from __future__ import annotations
@@ -65,11 +65,10 @@ class ExchangeStats:
 def _all_to_all(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """Differentiable uneven all-to-all of rows (torch.distributed.nn's: backward sends the gradients back)."""
-    from torch.distributed.nn.functional import all_to_all_single
+    """Differentiable uneven all-to-all of rows: backward sends the gradients back the same way."""
+    from lit_parallel._compat import all_to_all_single_autograd
 
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
 def _capacity_keep(sorted_expert: torch.Tensor, counts: list[int], capacity: int) -> torch.Tensor:

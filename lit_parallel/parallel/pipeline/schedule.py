@@ -26,7 +26,7 @@ from lit_parallel.parallel.expert_parallel import (
 from lit_parallel.parallel.fsdp import apply_fsdp, grad_norm, scale_grads_
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_owned, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
-from lit_parallel.parallel.parallelize import apply_activation_checkpointing
+from lit_parallel.parallel.parallelize import apply_activation_checkpointing, no_cache_under_recomputation
 from lit_parallel.parallel.pipeline.plan import SCHEDULES, PipelinePlan
 from lit_parallel.parallel.pipeline.stage import StageModule, build_stage_modules
 from lit_parallel.parallel.tensor_parallel.apply import apply_tp
@@ -91,8 +91,11 @@ def parallelize_stages(
         apply_tp(model, dims.tp_mesh(), present, src_data_rank=None)
     if experts is not None:
         apply_expert_parallel(experts, dims.expert_mesh())
+    if activation_checkpointing:
+        no_cache_under_recomputation(model)
     modules = dict(model.named_modules())
     for stage in stages:
+        stage.expert_plan = experts
         blocks = [modules[name] for name in stage.plan.blocks]
         blocks = blocks if experts is None else outside_experts(experts, blocks)
         if activation_checkpointing:
@@ -110,7 +113,6 @@ def parallelize_stages(
         apply_fsdp(
             stage, dims.fsdp_mesh(), ready, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
         )
-        stage.expert_plan = experts
         stage.register_hooks()
     return stages
 

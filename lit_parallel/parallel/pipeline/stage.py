@@ -174,6 +174,8 @@ class StageModule(nn.Module):
         self._state = state
         # micro-batches whose activations this stage holds for backward (now, and the most since reset)
         self.in_flight = self.peak_in_flight = 0
+        # the stage's MoE layers split over the expert-parallel ranks (parallelize_stages; None without)
+        self.expert_plan: Any = None
         # the dtypes of the model's inputs (None for non-tensors), set before each step: on torch < 2.13 the
         # integer ones reach later stages as floating tensors and are read back as these
         self.input_dtypes: tuple[torch.dtype | None, ...] = ()

@@ -17,8 +17,9 @@ while last step's gradients still exist, ``zero_grad`` comes after it, then back
 What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype):
 
 * ``ddp_tuned``: gradients live in DDP's buckets (``gradient_as_bucket_view``) for the whole step.
-* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node) and ZeRO-2 (``fsdp_blocks`` with
-  ``reshard_after_forward=False``), as FSDP2 in torch 2.13 does it (``_fsdp_collectives.py``,
+* ``fsdp_blocks`` (ZeRO-3), ``hsdp`` (``N`` = devices per node), ZeRO-2 (``fsdp_blocks`` with
+  ``reshard_after_forward=False``) and ``fsdp_blocks`` with ``expert_parallel_size = e`` (below), as FSDP2
+  in torch 2.13 does it (``_fsdp_collectives.py``,
   ``_fsdp_param_group.py``). Every FSDP group (each block, and the root: the parameters outside blocks)
   is gathered into unsharded parameters of its padded size ``P`` (dim 0 of each parameter padded to a
   multiple of ``N``); shards, and the sharded gradients, are ``P / N`` each. Forward, per block ``k``
@@ -44,6 +45,17 @@ What each strategy adds (``N`` ranks sharding, ``c`` bytes of the compute dtype)
   parameters are ``params``; unsharded gradients and the reduce-scatter output (the sharded gradient)
   ``grads``; flat all-gather outputs (also a prefetched one), reduce-scatter inputs and gloo's copies
   ``temporaries``.
+
+  With expert parallelism (``fsdp_blocks_ep``) a rank keeps ``E / e`` experts of each MoE layer, each an
+  FSDP group of its own sharded over the ``N / e`` ranks holding the same experts, inside its block's group
+  (sharded over all ``N``). So what a block gathers is its non-expert parameters padded over ``N`` plus its
+  local experts padded over ``N / e``: ``P_k = pad_N(D_k) + pad_{N/e}(X_k / e)`` instead of ``pad_N(D_k +
+  X_k)``; its unsharded gradients ``D_k + X_k / e``; its shards ``pad_N(D_k) / N + pad_{N/e}(X_k / e) / (N /
+  e)``, which sum to ZeRO-3's ``P / N`` over the model. The moments above are taken with these sizes, the
+  block's and its experts' gathers counted together (the experts' group is gathered while the block's is).
+  Activations and temporaries are the one-process step's: with the experts equally loaded, a rank's experts
+  process as many rows as its own tokens route (``T x top-k``); the all-to-alls' send and receive buffers
+  (``T x top-k x hidden`` each, while a layer exchanges) are not counted.
 * ``tp_dp`` with its plan (``advise`` infers it): one tensor-parallel rank's model
   (:mod:`lit_parallel.planner.memory.tensor_parallel`: split layers with their per-rank shapes, head counts per rank)
   simulated on meta, under FSDP2's moments over the data-parallel ranks (over one: no flat buffers, the
@@ -62,11 +74,14 @@ from typing import Any
 
 from torch import nn
 
+from lit_parallel.parallel.expert_parallel import MoELayer, find_moe_layers
 from lit_parallel.planner.memory.pipeline import PipelinePrediction
 from lit_parallel.planner.memory.table import StateRow
 from lit_parallel.planner.simulation import StepSimulation
 
 STRATEGIES = ("one_process", "ddp_tuned", "zero2", "fsdp_blocks", "hsdp", "tp_dp")
+# fsdp_blocks with expert parallelism: predicted next to the others when the report has an expert-parallel size
+EXPERT_PARALLEL = "fsdp_blocks_ep"
 # tp_dp: copies of a row-wise layer's output live at its forward all-reduce: the partial sum, the reduced
 # result, gloo's input and output buffers
 TP_ALL_REDUCE_COPIES = 4
@@ -78,9 +93,10 @@ LABELS = {
     "hsdp": "hsdp",
     "tp_dp": "tp_dp",
     "pp_dp": "pp_dp (largest stage)",
+    EXPERT_PARALLEL: "fsdp_blocks (expert_parallel_size={ep})",  # PeakReport.label fills it in
 }
 _ROW = {"one_process": "DDP", "ddp_tuned": "DDP", "zero2": "ZeRO-2", "fsdp_blocks": "FSDP/ZeRO-3"}
-_ROW.update({"hsdp": "HSDP", "tp_dp": "TP+DP"})
+_ROW.update({"hsdp": "HSDP", "tp_dp": "TP+DP", EXPERT_PARALLEL: "FSDP+EP"})
 
 
 @dataclass(frozen=True)
@@ -109,10 +125,42 @@ class Peak:
         }
 
 
+Rows = tuple[tuple[int, int], ...]  # (dim 0, elements per row) of each parameter
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """One MoE layer's expert weights as FSDP pads them.
+
+    Attributes:
+        num_experts: experts in the layer (``E``).
+        stacked: one tensor per weight, experts along dim 0 (``rows``: ``(E, elements per expert)`` each);
+            otherwise a list of expert modules (``rows``: one expert's parameters).
+        rows: as above.
+    """
+
+    num_experts: int
+    stacked: bool
+    rows: Rows
+
+    def local(self, expert_parallel: int) -> Rows:
+        """What one of ``expert_parallel`` ranks keeps: ``E / e`` experts (every row of them when ``e`` is 1)."""
+        per_rank = self.num_experts // expert_parallel
+        if self.stacked:
+            return tuple((per_rank, per_row) for _, per_row in self.rows)
+        return self.rows * per_rank
+
+    @property
+    def numel(self) -> int:
+        return sum(r * n for r, n in self.local(1))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The counts the strategy terms need, in elements; ``*_shapes``: ``(dim 0, elements per row)`` of each
-    parameter of every block (module order) and of the root (the parameters outside blocks)."""
+    parameter of every block (module order) and of the root (the parameters outside blocks);
+    ``*_dense_shapes`` the same without expert weights, ``*_experts`` the expert weights of each MoE layer
+    (:class:`ExpertRows`)."""
 
     params: int
     trainable: int
@@ -120,14 +168,21 @@ class ModelShape:
     largest_param: int
     block_params: int
     largest_block: int
-    block_shapes: tuple[tuple[tuple[int, int], ...], ...] = ()
-    root_shapes: tuple[tuple[int, int], ...] = ()
+    block_shapes: tuple[Rows, ...] = ()
+    root_shapes: Rows = ()
+    block_dense_shapes: tuple[Rows, ...] = ()
+    root_dense_shapes: Rows = ()
+    block_experts: tuple[tuple[ExpertRows, ...], ...] = ()
+    root_experts: tuple[ExpertRows, ...] = ()
 
     @classmethod
     def of(cls, module: nn.Module, blocks: list[nn.Module]) -> ModelShape:
         params = list(dict.fromkeys(module.parameters()))
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        layers = _moe_layers(module)
+        experts = {id(p) for layer in layers for p in _expert_params(layer)}
+        root = [p for p in params if id(p) not in in_blocks]
         return cls(
             params=sum(p.numel() for p in params),
             trainable=sum(p.numel() for p in params if p.requires_grad),
@@ -136,12 +191,102 @@ class ModelShape:
             block_params=sum(sizes),
             largest_block=max(sizes, default=0),
             block_shapes=tuple(_rows(b.parameters()) for b in blocks),
-            root_shapes=_rows([p for p in params if id(p) not in in_blocks]),
+            root_shapes=_rows(root),
+            block_dense_shapes=tuple(
+                _rows(p for p in b.parameters() if id(p) not in experts) for b in blocks
+            ),
+            root_dense_shapes=_rows(p for p in root if id(p) not in experts),
+            block_experts=tuple(
+                tuple(_expert_rows(layer) for layer in layers if _owner(layer, blocks) is b) for b in blocks
+            ),
+            root_experts=tuple(_expert_rows(layer) for layer in layers if _owner(layer, blocks) is None),
         )
 
+    @property
+    def expert_params(self) -> int:
+        """Elements of every expert weight."""
+        return sum(e.numel for group in (*self.block_experts, self.root_experts) for e in group)
 
-def _rows(params: Any) -> tuple[tuple[int, int], ...]:
+    def groups(self) -> list[tuple[Rows, tuple[ExpertRows, ...]]]:
+        """``(non-expert rows, experts)`` of each block, then of the root (the FSDP groups before experts are
+        split); without the expert split (a shape made by hand) every row counts as non-expert."""
+        if len(self.block_dense_shapes) != len(self.block_shapes):
+            return [(b, ()) for b in self.block_shapes] + [(self.root_shapes, ())]
+        blocks = list(zip(self.block_dense_shapes, self.block_experts))
+        return [*blocks, (self.root_dense_shapes, self.root_experts)]
+
+    def expert_groups(self, expert_parallel: int) -> int:
+        """FSDP groups the experts add on a rank under expert parallelism: one per stacked-experts module,
+        one per local expert of a module list."""
+        return sum(
+            1 if e.stacked else e.num_experts // expert_parallel
+            for group in (*self.block_experts, self.root_experts)
+            for e in group
+        )
+
+    def param_tensors_per_rank(self, expert_parallel: int) -> int:
+        """Trainable parameter tensors a rank holds: lists of expert modules keep ``E / e`` of their experts."""
+        dropped = sum(
+            len(e.rows) * (e.num_experts - e.num_experts // expert_parallel)
+            for group in (*self.block_experts, self.root_experts)
+            for e in group
+            if not e.stacked
+        )
+        return self.param_tensors - dropped
+
+
+def _rows(params: Any) -> Rows:
     return tuple((p.shape[0], math.prod(p.shape[1:])) if p.dim() else (1, 1) for p in params)
+
+
+def _moe_layers(module: nn.Module) -> list[MoELayer]:
+    try:
+        return find_moe_layers(module)
+    except ValueError:  # experts already split by transformers' own expert parallelism: plain parameters
+        return []
+
+
+def _expert_params(layer: MoELayer) -> list[nn.Parameter]:
+    if layer.kind == "stacked":
+        return list(layer.module.parameters(recurse=False))
+    return list(getattr(layer.module, layer.experts_name or "").parameters())
+
+
+def _expert_rows(layer: MoELayer) -> ExpertRows:
+    if layer.kind == "stacked":
+        return ExpertRows(layer.num_experts, True, _rows(_expert_params(layer)))
+    first = getattr(layer.module, layer.experts_name or "")[0]
+    return ExpertRows(layer.num_experts, False, _rows(first.parameters()))
+
+
+def _owner(layer: MoELayer, blocks: list[nn.Module]) -> nn.Module | None:
+    """The block holding ``layer``, or ``None`` (the root)."""
+    return next((b for b in blocks if any(m is layer.module for m in b.modules())), None)
+
+
+def gathered_elements(
+    dense: Rows, experts: tuple[ExpertRows, ...], shard: int, expert_parallel: int = 1
+) -> int:
+    """Elements one FSDP group (a block, or the root) gathers over ``shard`` ranks, padded: with
+    ``expert_parallel = e > 1`` its non-expert rows padded over ``shard`` and its ``E / e`` local experts
+    padded over the ``shard / e`` ranks holding them (their own FSDP groups)."""
+    if expert_parallel == 1:
+        return padded(dense + tuple(row for e in experts for row in e.local(1)), shard)
+    inner = shard // expert_parallel
+    return padded(dense, shard) + sum(padded(e.local(expert_parallel), inner) for e in experts)
+
+
+def shard_elements(
+    dense: Rows, experts: tuple[ExpertRows, ...], shard: int, expert_parallel: int = 1
+) -> float:
+    """Elements of one FSDP group's shards on each rank (padded): :func:`gathered_elements` divided by the
+    ranks each part is sharded over."""
+    if expert_parallel == 1:
+        return gathered_elements(dense, experts, shard) / shard
+    inner = shard // expert_parallel
+    return padded(dense, shard) / shard + sum(
+        padded(e.local(expert_parallel), inner) / inner for e in experts
+    )
 
 
 def padded(shapes: tuple[tuple[int, int], ...], shard: int) -> int:
@@ -168,6 +313,13 @@ class PeakReport:
     pipeline: PipelinePrediction | None = None  # pp_dp's layout and largest stage
     notes: list[str] = field(default_factory=list)
     checkpointing_note: str = ""  # why the "with AC" figures are the ones without, when they are
+    expert_parallel_size: int = 1  # > 1: fsdp_blocks with expert parallelism is predicted too
+    # (rows, hidden, top_k, num_experts) of each MoE layer call (planner.simulation.StepSimulation)
+    moe_calls: tuple[tuple[int, int, int | None, int], ...] = ()
+
+    def label(self, strategy: str) -> str:
+        """How ``strategy``'s row is named (``fsdp_blocks (expert_parallel_size=4)``, ...)."""
+        return LABELS[strategy].format(ep=self.expert_parallel_size)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -177,7 +329,7 @@ class PeakReport:
             "activations_bytes": self.activations,
             "peak": {
                 s: {
-                    "label": LABELS[s],
+                    "label": self.label(s),
                     "activation_checkpointing_off": self.peaks[s].as_dict(),
                     "activation_checkpointing_on": self.peaks_checkpointed[s].as_dict(),
                 }
@@ -198,12 +350,13 @@ def _strategy_peak(
     extra: dict,
 ) -> Peak:
     """The three moments of one step for ``strategy``; the largest wins."""
-    sharded = strategy in ("zero2", "fsdp_blocks", "hsdp", "tp_dp")
+    sharded = strategy in ("zero2", "fsdp_blocks", "hsdp", "tp_dp", EXPERT_PARALLEL)
     # ZeRO-2 here is FSDP2 without resharding: the state is sharded like ZeRO-3 (the parameters' shards
     # are what is stored), and the gathered copies are the extra below
     row = rows["FSDP/ZeRO-3" if strategy == "zero2" else _ROW[strategy]]
     p, g, o = row.param_bytes, row.grad_bytes, row.optimizer_bytes
-    o += 4 * shape.param_tensors  # AdamW's step counters: one fp32 scalar per parameter tensor
+    ep = extra.get("ep", 1) if strategy == EXPERT_PARALLEL else 1
+    o += 4 * shape.param_tensors_per_rank(ep)  # AdamW's step counters: one fp32 scalar per parameter tensor
     fw, bw = sim.forward_peak.by_category, sim.backward_peak.by_category
     share, tp, shard = extra["share"], extra["tp"], extra["shard"]
 
@@ -212,9 +365,17 @@ def _strategy_peak(
 
     block_c = shape.largest_block * c / tp
     root_c = (shape.params - shape.block_params) * c
-    if strategy in ("zero2", "fsdp_blocks", "hsdp"):
+    if strategy in ("zero2", "fsdp_blocks", "hsdp", EXPERT_PARALLEL):
         moments = fsdp_moments(
-            strategy, sim, shape, (p, g, o), c=c, opt_bytes=opt_bytes, shard=shard, gloo=extra["gloo"]
+            strategy,
+            sim,
+            shape,
+            (p, g, o),
+            c=c,
+            opt_bytes=opt_bytes,
+            shard=shard,
+            gloo=extra["gloo"],
+            expert_parallel=ep,
         )
         return max(moments, key=lambda m: m.total)
     gathered = {"fw": (0.0, 0.0), "bw": (0.0, 0.0)}  # (parameters gathered, scratch: prefetch + block grads)
@@ -249,8 +410,10 @@ def _strategy_peak(
 @dataclass(frozen=True)
 class _Fsdp:
     """What FSDP2's moments are made of: the per-rank state (shards padded), the gathered bytes of the root
-    group and of each block (padded), whether blocks stay gathered (ZeRO-2), the ranks sharding, gloo;
-    ``flat``: 0 where the forward's flat all-gather outputs do not exist (one rank per shard)."""
+    group and of each block (padded), each block's shards and its unsharded gradients on this rank, whether
+    blocks stay gathered (ZeRO-2), the ranks sharding, gloo; ``flat``: 0 where the forward's flat all-gather
+    outputs do not exist (one rank per shard); ``last``: the unsharded gradient of each block's last
+    parameter reduced with the block."""
 
     strategy: str
     p: float
@@ -258,6 +421,9 @@ class _Fsdp:
     o: float
     root: float
     blocks: list[float]
+    block_shards: list[float]
+    block_grads: list[float]
+    last: list[float]
     keep: bool
     shard: int
     gloo: bool
@@ -274,11 +440,20 @@ def fsdp_moments(
     opt_bytes: int,
     shard: int,
     gloo: bool,
+    expert_parallel: int = 1,
 ) -> list[Peak]:
     """FSDP2's moments (module docstring): each block's gather, inside and after it in forward, the loss,
-    each block's reduce-scatter in backward, the rest of backward, the optimizer step."""
-    every = tuple(row for b in shape.block_shapes for row in b) + shape.root_shapes
-    ratio = padded(every, shard) / shape.params if shape.params else 1.0
+    each block's reduce-scatter in backward, the rest of backward, the optimizer step; with
+    ``expert_parallel > 1`` a block gathers, holds and reduces its non-expert parameters and its local
+    experts only (module docstring)."""
+    ep = expert_parallel
+    groups = shape.groups()
+    shards = [shard_elements(d, x, shard, ep) for d, x in groups]
+    ratio = sum(shards) * shard / shape.params if shape.params else 1.0
+    blocks = groups[:-1]
+    # the unsharded gradient of the last parameter the block's own group reduces (with expert parallelism
+    # the experts are groups of their own: the block's last non-expert parameter)
+    lasts = [d if ep > 1 else rows for (d, _), rows in zip(blocks, shape.block_shapes)]
     # one rank per shard (HSDP of replicas of 1, tp_dp over one data-parallel rank): the gathered copies are
     # there, the forward's flat all-gather outputs are not
     f = _Fsdp(
@@ -286,8 +461,11 @@ def fsdp_moments(
         state[0] * ratio,
         state[1] * ratio,
         state[2],  # shards are padded; AdamW's state not
-        padded(shape.root_shapes, shard) * c,
-        [padded(b, shard) * c for b in shape.block_shapes],
+        gathered_elements(*groups[-1], shard, ep) * c,
+        [gathered_elements(d, x, shard, ep) * c for d, x in blocks],
+        [n * c for n in shards[:-1]],
+        [(sum(r * n for r, n in d) + sum(e.numel // ep for e in x)) * c for d, x in blocks],
+        [math.prod(rows[-1]) * c if rows else 0.0 for rows in lasts],
         keep=strategy == "zero2",
         shard=shard,
         gloo=gloo,
@@ -347,12 +525,16 @@ def _fsdp_backward(f: _Fsdp, sim: StepSimulation, shape: ModelShape, c: int) -> 
     # unsharded gradient of the block's last parameter (foreach_reduce's loop variable still holds it); the
     # blocks after it hold sharded gradients, the root's so far are unsharded; ZeRO-2 keeps the blocks
     # before k gathered, ZeRO-3 has block k-1's flat all-gather output prefetched (temporaries until copied)
-    full = [sum(r * n for r, n in b) for b in shape.block_shapes]
+    full = [sum(r * n for r, n in b) for b in shape.block_shapes]  # one process's: what the simulation holds
     if len(sim.block_grads_done) == len(blocks):
         for k, (act, tmp, grads) in enumerate(sim.block_grads_done):
-            last = math.prod(shape.block_shapes[k][-1]) * c if shape.block_shapes[k] else 0.0
-            before = (blocks[k], full[k] * c, 0.0)  # (params, grads, temporaries) before the reduce-scatter
-            during = (0.0, blocks[k] / f.shard + last, blocks[k] * (2 if f.gloo else 1))  # and during it
+            last = f.last[k]
+            before = (
+                blocks[k],
+                f.block_grads[k],
+                0.0,
+            )  # (params, grads, temporaries) before the reduce-scatter
+            during = (0.0, f.block_shards[k] + last, blocks[k] * (2 if f.gloo else 1))  # and during it
             more_p, more_g, more_t = max(before, during, key=sum)
             root_grads = max(0.0, grads - sum(full[k:]) * c)
             sharded = g * sum(full[k + 1 :]) / shape.trainable if shape.trainable else 0.0
@@ -419,12 +601,14 @@ def add_strategy_peaks(
     precision, devices, shape = report.precision, report.devices, report.shape
     sim = sims[(precision, False)]
     world = devices * report.nodes
-    for strategy in STRATEGIES:
+    ep = report.expert_parallel_size
+    for strategy in STRATEGIES + ((EXPERT_PARALLEL,) if ep > 1 else ()):
         extra = {
             "share": report.block_activation_share,
             "tp": devices if strategy == "tp_dp" else 1,
             "shard": devices if strategy == "hsdp" else world,
             "gloo": device_type == "cpu",  # gloo's reduce-scatter copies its input
+            "ep": ep,
         }
         args = {"c": c, "opt_bytes": opt_bytes, "extra": extra}
         report.peaks[strategy] = _strategy_peak(strategy, sim, rows, shape, **args)

@@ -17,7 +17,6 @@ the loss saves (the last stage keeps every micro-batch's output).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +140,7 @@ def simulate_micro_batch(
         handles += [block.register_forward_pre_hook(bounds.pre), block.register_forward_hook(bounds.post)]
     # the fused kernel's saved tensors, as a real step saves them (not with checkpointing: the recomputation
     # must see the same ops, as in planner/simulation.py)
-    attention = fused_attention_on_meta() if not activation_checkpointing else contextlib.nullcontext()
+    attention = fused_attention_on_meta(attention=not activation_checkpointing)
     try:
         with tracker, attention:
             output = forward_target(meta, blocks)(*args)

@@ -33,6 +33,7 @@ def predict_peaks(
     block_names: list[str] = (),  # type: ignore[assignment]
     device_type: str = "cuda",
     tp_plan: tuple[nn.Module, TPPlan] | None = None,
+    expert_parallel: int = 1,
 ) -> PeakReport:
     """Per-rank peak of one training step (AdamW) for every strategy, with and without checkpointing.
 
@@ -48,6 +49,8 @@ def predict_peaks(
             on (converted for tensor parallelism); its row is then one rank's model
             (:func:`~lit_parallel.planner.memory.tensor_parallel.tp_peaks`);
             without it, a share of the one-process figures.
+        expert_parallel: above 1, ``fsdp_blocks`` with ``expert_parallel_size`` this is predicted too (row
+            ``fsdp_blocks_ep``; the advisor's size: :func:`~lit_parallel.planner.rules.expert_parallel_choice`).
     """
     precision = canonical_precision(precision)
     c = precision_bytes(precision).compute
@@ -58,6 +61,8 @@ def predict_peaks(
     sim = sims[(precision, False)]
     report = PeakReport(precision, devices, nodes, sim.batch_size, sim.input_description, shape)
     report.checkpointing_note = failed
+    report.expert_parallel_size = _checked_expert_parallel(expert_parallel, shape, devices)
+    report.moe_calls = sim.moe_calls
     for (prec, ac), s in sims.items():
         report.activations.setdefault(prec, {})["on" if ac else "off"] = s.saved_bytes
     report.block_activation_share = _block_share(module, blocks, precision, kw)
@@ -70,6 +75,8 @@ def predict_peaks(
             precision=precision,
             trainable_params=shape.trainable,
             tp_split_params=shape.block_params or None,
+            expert_params=shape.expert_params,
+            expert_parallel=report.expert_parallel_size,
         )
     }
     opt_elem = 4 if precision_bytes(precision).optimizer >= 8 else 2  # AdamW's scratch in the master dtype
@@ -95,6 +102,19 @@ def predict_peaks(
         example_inputs=example_inputs,
     )
     return report
+
+
+def _checked_expert_parallel(size: int, shape: ModelShape, devices: int) -> int:
+    """``size`` when the model's experts split into it inside a node (what ``fsdp_blocks`` would accept)."""
+    if size == 1:
+        return 1
+    counts = [e.num_experts for group in (*shape.block_experts, shape.root_experts) for e in group]
+    if not counts or any(n % size for n in counts) or devices % size:
+        raise ValueError(
+            f"expert_parallel={size} needs MoE layers whose experts it divides ({counts or 'none found'}) and"
+            f" must divide the {devices} devices of a node"
+        )
+    return size
 
 
 def _simulations(
@@ -154,6 +174,13 @@ def add_pipeline_peaks(
         )
     except ValueError as err:
         report.notes.append(f"pp_dp not predicted: {err}")
+        return
+    except (
+        RuntimeError
+    ) as err:  # a stage the meta device cannot run (a Hugging Face cache grown by recomputation)
+        report.notes.append(
+            f"pp_dp not predicted: its micro-batch does not run on meta: {str(err).splitlines()[0]}"
+        )
         return
     report.pipeline = pred
     for target, x in ((report.peaks, pred.off), (report.peaks_checkpointed, pred.on)):

@@ -13,9 +13,16 @@ ZeRO-2        optimizer state + gradients       all ranks; parameters too, but g
               from forward to backward)           ``reshard_after_forward=False`` holds (not DeepSpeed's
                                                   ZeRO-2, which keeps full parameters only)
 FSDP/ZeRO-3   + parameters                      all ranks
+FSDP+EP       everything; experts split first   experts: ``e`` expert-parallel ranks, each part sharded
+                                                  over the ``N / e`` ranks holding it; the rest: all ranks
+                                                  (only for a model with experts, at the advisor's ``e``)
 HSDP          everything                        the devices of one node (replicated across nodes)
 TP+DP         everything                        tensor parallel inside a node x FSDP across nodes
 ============  ================================  ================================================
+
+The FSDP+EP row holds what the FSDP/ZeRO-3 row holds, ``(P - X) / N + (X / e) / (N / e) = P / N`` elements
+per rank (:func:`~lit_parallel.parallel.estimate_memory`); expert parallelism divides what a block
+gathers, which the peak prediction counts (:mod:`~lit_parallel.planner.memory.peak`).
 """
 
 from __future__ import annotations
@@ -89,12 +96,17 @@ def memory_rows(
     precision: str = "bf16-mixed",
     trainable_params: int | None = None,
     tp_split_params: int | None = None,
+    expert_params: int = 0,
+    expert_parallel: int = 1,
 ) -> list[StateRow]:
     """Every row's per-rank model state.
 
     Args:
         tp_split_params: parameters tensor parallelism splits (those inside transformer blocks); the
             rest is sharded over the data-parallel ranks only. ``None``: every parameter is split.
+        expert_params, expert_parallel: the model's expert parameters and the expert-parallel size of the
+            FSDP+EP row (``fsdp_blocks`` with ``expert_parallel_size``); no such row with
+            ``expert_parallel=1``.
     """
     b = precision_bytes(precision)
     world = devices * nodes
@@ -121,6 +133,11 @@ def memory_rows(
             *zero2,
         ),
         StateRow("FSDP/ZeRO-3", "fsdp_blocks", f"everything / {world}", *zero3),
+        *(
+            [_expert_parallel_row(params, trainable, b, world, expert_params, expert_parallel)]
+            if expert_parallel > 1
+            else []
+        ),
         StateRow(
             "HSDP",
             "hsdp",
@@ -135,6 +152,31 @@ def memory_rows(
             *tp_row,
         ),
     ]
+
+
+def expert_parallel_label(expert_parallel: int) -> str:
+    """The strategy that runs the FSDP+EP row: ``fsdp_blocks(expert_parallel_size=e)``."""
+    return f"fsdp_blocks(expert_parallel_size={expert_parallel})"
+
+
+def _expert_parallel_row(
+    params: int, trainable: int, b: PrecisionBytes, world: int, experts: int, ep: int
+) -> StateRow:
+    """The FSDP+EP row: experts split over ``ep`` ranks and sharded over ``world / ep``, the rest over
+    ``world`` (frozen parameters are counted as experts first: the sizes per rank are the same)."""
+    kw = {"world_size": world, "shard_size": world, "optimizer": "adam", "expert_parallel": ep}
+    p = estimate_memory(params, strategy="zero3", param_dtype=b.params, expert_params=experts, **kw)
+    t = estimate_memory(
+        trainable,
+        strategy="zero3",
+        param_dtype=b.grads,
+        optimizer_state_dtype=b.optimizer // 2,
+        expert_params=min(experts, trainable),
+        **kw,
+    )
+    state = (p.param_bytes, t.grad_bytes, t.optimizer_bytes)
+    sharding = f"experts / {ep} (expert parallel) / {world // ep} (FSDP); the rest / {world}"
+    return StateRow("FSDP+EP", expert_parallel_label(ep), sharding, *state)
 
 
 def _split(
@@ -161,6 +203,8 @@ def memory_table(
     trainable_params: int | None = None,
     tp_split_params: int | None = None,
     activations: ActivationEstimate | None = None,
+    expert_params: int = 0,
+    expert_parallel: int = 1,
 ) -> list[MemoryRow]:
     """:func:`memory_rows` with each row's activations (when estimated) and whether it fits ``memory_bytes``
     (the usable bytes of one device: the advisor passes them with its headroom taken off)."""
@@ -172,6 +216,8 @@ def memory_table(
         precision=precision,
         trainable_params=trainable_params,
         tp_split_params=tp_split_params,
+        expert_params=expert_params,
+        expert_parallel=expert_parallel,
     ):
         a = None
         if activations is not None:

@@ -92,11 +92,14 @@ class _OpCounter:
 
 
 def _count(fn: Any) -> tuple[int, int]:
-    """(ops, FLOPs) of ``fn()``, on any device (meta included)."""
+    """(ops, FLOPs) of ``fn()``, on any device (meta included: grouped matrix products of MoE experts run
+    there in every dtype, as on a real device, with one op each way)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from lit_parallel.planner.fused_attention import fused_attention_on_meta
+
     flops, ops = FlopCounterMode(display=False), _OpCounter()
-    with flops, ops:
+    with fused_attention_on_meta(attention=False), flops, ops:
         fn()
     return ops.ops, flops.get_total_flops()
 
@@ -347,15 +350,28 @@ def predict_step_time(module: nn.Module, *, block_name: str | None, repeats: int
     return timer.timing()
 
 
-def collectives_per_step(strategy: str, *, groups: int, grad_bytes: float, bucket_bytes: float = 25e6) -> int:
+def collectives_per_step(
+    strategy: str,
+    *,
+    groups: int,
+    grad_bytes: float,
+    bucket_bytes: float = 25e6,
+    expert_groups: int = 0,
+    moe_calls: int = 0,
+) -> int:
     """Collective calls per step: DDP one all-reduce per bucket; FSDP2 per group (blocks + root) an
     all-gather in forward, another in backward (ZeRO-3; not for the root), a reduce-scatter; HSDP adds an
-    all-reduce of each group's gradient shard across replicas."""
+    all-reduce of each group's gradient shard across replicas. ``fsdp_blocks_ep`` (expert parallelism) adds
+    the experts' own FSDP groups (``expert_groups``, three calls each: they are never the root) and five
+    all-to-alls per MoE layer call (forward: the rows per expert, the tokens out, the results back;
+    backward: the two of rows again)."""
     if strategy == "ddp_tuned":
         return max(1, -(-int(grad_bytes) // int(bucket_bytes)))
     if strategy == "zero2":
         return 2 * groups
     calls = groups + (groups - 1) + groups
+    if strategy == "fsdp_blocks_ep":
+        calls += 3 * expert_groups + 5 * moe_calls
     return calls + (groups if strategy == "hsdp" else 0)
 
 
@@ -370,22 +386,51 @@ def comm_seconds(
     latency_s: float = 0.0,
     groups: int = 1,
     root_params: int = 0,
+    experts: ExpertExchange | None = None,
 ) -> float:
     """Seconds of one step's collectives for ``strategy``: calls x latency + bytes sent / bus bandwidth
-    (``root_params``: the parameters outside blocks, which FSDP gathers once per step)."""
+    (``root_params``: the parameters outside blocks, which FSDP gathers once per step; ``experts``: what
+    ``fsdp_blocks_ep`` splits and exchanges)."""
     world = devices * nodes
     if world == 1 or strategy == "one_process":
         return 0.0
-    kind = {"ddp_tuned": "ddp", "zero2": "zero2", "fsdp_blocks": "fsdp", "hsdp": "hsdp", "tp_dp": "fsdp"}[
-        strategy
-    ]
+    kind = {"ddp_tuned": "ddp", "zero2": "zero2", "fsdp_blocks": "fsdp", "hsdp": "hsdp", "tp_dp": "fsdp"}
+    kind["fsdp_blocks_ep"] = "fsdp"
     shard = devices if strategy == "hsdp" else None
     # tp_dp: FSDP over nodes (TP traffic inside a node not counted)
     n = nodes if strategy == "tp_dp" else world
     if n == 1:
         return 0.0
+    ep = experts if strategy == "fsdp_blocks_ep" and experts is not None else ExpertExchange()
     sent = estimate_comm_bytes(
-        params, strategy=kind, world_size=n, shard_size=shard, grad_dtype=grad_bytes, root_params=root_params
+        params,
+        strategy=kind[strategy],
+        world_size=n,
+        shard_size=shard,
+        grad_dtype=grad_bytes,
+        root_params=root_params,
+        expert_params=ep.expert_params,
+        expert_parallel=ep.expert_parallel,
     )
-    calls = collectives_per_step(strategy, groups=groups, grad_bytes=params * grad_bytes)
+    sent += ep.all_to_all_bytes
+    calls = collectives_per_step(
+        strategy,
+        groups=groups,
+        grad_bytes=params * grad_bytes,
+        expert_groups=ep.groups,
+        moe_calls=ep.calls,
+    )
     return calls * latency_s + sent / (busbw_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class ExpertExchange:
+    """What expert parallelism changes in a step's communication: the expert parameters split over
+    ``expert_parallel`` ranks, the FSDP groups the experts add, the MoE layer calls and the bytes their
+    all-to-alls send (:func:`~lit_parallel.parallel.memory.estimate_all_to_all_bytes`)."""
+
+    expert_params: int = 0
+    expert_parallel: int = 1
+    groups: int = 0
+    calls: int = 0
+    all_to_all_bytes: float = 0.0

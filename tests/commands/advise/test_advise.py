@@ -23,7 +23,7 @@ from lit_parallel.planner.rules import (
     rules_markdown,
     summarize_model,
 )
-from lit_parallel.strategies.auto import pipeline_choice
+from lit_parallel.strategies.auto import strategy_choice
 
 GB = 1e9
 
@@ -107,22 +107,24 @@ def test_rule_4_several_nodes_and_state_fits_only_in_pipeline_stages_gives_pp_dp
     assert not a.warnings
     # the strategy AutoStrategy builds from it: the same stages, sharded inside a node, replicated across nodes
     pipelined = type("PipelinedModule", (), {"pipeline_loss": lambda self, output, targets: output})()
-    assert pipeline_choice(a, pipelined) == (
+    assert strategy_choice(a, pipelined) == (
         "pp_dp",
         {"pipeline_parallel_size": 2, "microbatches": 8, "data_parallel_replicate_size": 2},
     )
     # a module without the pipeline hook gets fsdp_blocks (35 GB per rank over all 32 ranks)
-    assert pipeline_choice(a, object()) == ("fsdp_blocks", {})
+    assert strategy_choice(a, object()) == ("fsdp_blocks", {})
     # 3 nodes: stages must divide the nodes, so 3 stages of one node (140 / 3 GB)
     b = advise(70e9, devices=8, nodes=3, memory_gb=80, block_params=0.86e9)
     assert b.recommendation == "pp_dp" and "pipeline_parallel_size=3" in b.evaluations[-1][2]
 
 
-def test_rule_5_otherwise_fsdp_blocks():
-    # one node: rules 3 and 4 never apply; 20e9 x 16 / 8 = 40 GB per rank
+def test_rule_6_otherwise_fsdp_blocks():
+    # one node: rules 3 and 4 never apply; a parameter count says nothing of experts: rule 5 is n/a;
+    # 20e9 x 16 / 8 = 40 GB per rank
     one_node = advise(20e9, devices=8, memory_gb=80, block_params=0.5e9)
-    assert (one_node.recommendation, one_node.rule.number) == ("fsdp_blocks", 5)
-    assert [holds for _, holds, _ in one_node.evaluations] == [False, False, False, False, True]
+    assert (one_node.recommendation, one_node.rule.number) == ("fsdp_blocks", 6)
+    assert [holds for _, holds, _ in one_node.evaluations] == [False, False, False, False, None, True]
+    assert one_node.strategy_arguments == {} and one_node.choice == "fsdp_blocks"
     assert one_node.row("FSDP/ZeRO-3").state_bytes == pytest.approx(40e9)
     assert not one_node.warnings
     # several nodes, but even one stage per node does not fit: the last resort, with a warning
@@ -143,7 +145,14 @@ def test_a_recommendation_that_does_not_fit_comes_with_a_warning():
 
 
 def test_rules_are_one_ordered_table_shared_with_the_docs():
-    assert [r.strategy for r in RULES] == ["ddp_tuned", "tp_dp", "hsdp", "pp_dp", "fsdp_blocks"]
+    assert [r.strategy for r in RULES] == [
+        "ddp_tuned",
+        "tp_dp",
+        "hsdp",
+        "pp_dp",
+        "fsdp_blocks",
+        "fsdp_blocks",
+    ]
     table = rules_markdown().splitlines()
     assert len(table) == 2 + len(RULES)
     assert all(f"`{r.strategy}`" in line for r, line in zip(RULES, table[2:]))
@@ -359,7 +368,7 @@ def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(ca
     monkeypatch.setenv("COLUMNS", "300")
     assert main(["advise", "--params", "70e9", "--devices", "8", "--memory-gb", "80"]) == 0
     out = capsys.readouterr().out
-    line = next(s for s in out.splitlines() if s.strip().startswith("5. fsdp_blocks"))
+    line = next(s for s in out.splitlines() if s.strip().startswith("6. fsdp_blocks"))
     assert "yes" not in line and "last resort" in line and "does not fit" in line and "140.00 GB" in line
     a = advise(70e9, devices=8, memory_gb=80)
     assert a.verdict(RULES[-1], True) == "last resort"
@@ -896,3 +905,65 @@ def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, mon
         assert set(entry["time"]) == {"compute_s", "optimizer_s", "comm_s", "step_s"}
     assert set(data["activations_bytes"]) == {"bf16-mixed", "32-true"}
     assert data["batch_size"] == 2 and data["input"] == "tokens (2, 16)"
+
+
+# --- expert parallelism (rule 5) --------------------------------------------------------------------------
+
+# tests/moe_models.py's tiny Mixtral: per layer q, k, v, o (16 x 16 each), the router (4 x 16), the stacked
+# experts [4, 64, 16] and [4, 16, 32], two norms of 16; the embedding and the head (64 x 16 each), a final norm
+MIXTRAL_EXPERTS = 2 * (4 * 64 * 16 + 4 * 16 * 32)
+MIXTRAL_PARAMS = 2 * (4 * 16 * 16 + 4 * 16 + MIXTRAL_EXPERTS // 2 + 2 * 16) + 2 * 64 * 16 + 16
+
+
+def test_advise_lists_fsdp_blocks_with_expert_parallelism_for_an_moe_model(capsys, monkeypatch):
+    from lit_parallel.commands.cli import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    # fp32: DDP holds 16 x P bytes, FSDP (and FSDP+EP) 16 x P / 2; halfway between, less the 10 % headroom
+    memory_gb = (16 * MIXTRAL_PARAMS / 2 + 16 * MIXTRAL_PARAMS) / 2 / 0.9 / 1e9
+    args = ["advise", "--model", "tests.moe_models:mixtral", "--devices", "2", "--memory-gb", str(memory_gb)]
+    args += ["--precision", "32-true", "--device-type", "cpu", "--batch-size", "1", "--seq-len", "2"]
+    assert main([*args, "--no-step-time"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "FSDP+EP" in line)
+    assert "fsdp_blocks(expert_parallel_size=2)" in row and "experts / 2 (expert parallel)" in row
+    assert f"{16 * MIXTRAL_PARAMS / 2 / 1e3:.2f} kB" in row  # the state of ZeRO-3 over 2 ranks
+    rule = next(line for line in out.splitlines() if line.strip().startswith("5. fsdp_blocks"))
+    assert "yes" in rule and f"experts hold {MIXTRAL_EXPERTS / MIXTRAL_PARAMS:.0%}" in rule
+    assert (
+        "recommendation: fsdp_blocks(expert_parallel_size=2) (rule 5):"
+        " Trainer(strategy=lp.TransformerFSDPStrategy(expert_parallel_size=2), devices=2, num_nodes=1)"
+    ) in out
+    assert "fsdp_blocks (expert_parallel_size=2)" in out  # its row of the peak prediction
+
+
+def test_the_expert_parallel_step_counts_the_all_to_all_of_every_routed_token():
+    from lit_parallel.commands.advise.report import predict
+
+    pred = predict(
+        "tests.moe_models:mixtral",
+        {},
+        precision="32-true",
+        devices=2,
+        nodes=1,
+        batch_size=2,
+        seq_len=8,
+        device_type="cpu",
+        step_time=False,
+        busbw_gbps=10.0,
+        expert_parallel=2,
+    )
+    exchange = pred.expert_exchange()
+    # 2 x 8 tokens, top-2, hidden 16, fp32, in each of 2 MoE layers: dispatch and combine, forward and
+    # backward, and the 4 int64 counts per expert once; half of it leaves the rank (e = 2)
+    per_layer = (4 * 16 * 2 * 16 * 4 + 8 * 4) / 2
+    assert exchange.all_to_all_bytes == 2 * per_layer
+    assert (exchange.expert_params, exchange.expert_parallel, exchange.groups, exchange.calls) == (
+        MIXTRAL_EXPERTS,
+        2,
+        2,  # one FSDP group per stacked-experts module
+        2,
+    )
+    peaks = pred.report.peaks
+    assert peaks["fsdp_blocks_ep"].total < peaks["fsdp_blocks"].total
+    assert pred.report.label("fsdp_blocks_ep") == "fsdp_blocks (expert_parallel_size=2)"

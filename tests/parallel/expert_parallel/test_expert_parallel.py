@@ -34,7 +34,13 @@ def two(tmp_path_factory, ckpt_dir):
     return launch(
         [
             f"tests.scenarios.expert_parallel:{n}"
-            for n in ("parity_fsdp_ep2", "exchange_bytes", "checkpoint_save")
+            for n in (
+                "parity_fsdp_ep2",
+                "parity_fsdp_ep2_checkpointed",
+                "exchange_bytes",
+                "checkpoint_save",
+                "meta_init",
+            )
         ],
         2,
         tmp_path_factory.mktemp("ep2"),
@@ -135,6 +141,11 @@ def test_fsdp_ep2_matches_one_process(two, name):
     _stacked_experts_per_rank(results, 4)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "hand"])
+def test_activation_checkpointing_with_experts_matches_one_process(two, name):
+    _check_parity([r[name] for r in two.scenario("parity_fsdp_ep2_checkpointed")], name, dp=2)
+
+
 def _routing(tokens: torch.Tensor, world: int):
     """Which expert each (token, slot) pair of each rank goes to, from an unsplit one-layer Mixtral."""
     model = MODELS["mixtral"](layers=1)
@@ -186,8 +197,8 @@ def test_capacity_factor_drops_and_counts(two):
 def test_resume_is_bitwise_and_reshards(two, name, tmp_path):
     got = two.scenario("checkpoint_save")[0][name]
     continued = got["continued"]
-    assert len(continued) == 4 * sc.ACCUMULATE - 2 * sc.ACCUMULATE  # the 2 steps after the checkpoint
-    assert got["resumed"][2] == continued  # the same split: bitwise
+    assert len(continued) == 2 * sc.ACCUMULATE  # the 2 steps after the checkpoint, without a break
+    assert got["resumed"][2] == continued  # resumed with the same split: bitwise
     assert_rel_close(
         torch.tensor(got["resumed"][1]), torch.tensor(continued), 1e-5, f"{name} resumed without EP"
     )
@@ -197,6 +208,40 @@ def test_resume_is_bitwise_and_reshards(two, name, tmp_path):
     assert set(state) == set(MODELS[name]().state_dict())
     for k, v in expected.items():
         assert torch.equal(state[k], v), k
+
+
+def test_a_full_checkpoint_file_holds_every_expert_and_resumes(two):
+    got = two.scenario("checkpoint_save")[0]
+    full = got["mixtral_full"]
+    state = torch.load(full["path"], weights_only=True)["state_dict"]
+    assert set(state) == set(full["saved"]) == {f"model.{k}" for k in MODELS["mixtral"]().state_dict()}
+    for k, v in full["saved"].items():
+        assert torch.equal(state[k], v), k
+    assert len(full["continued"]) == 2 * sc.ACCUMULATE
+    assert full["resumed"] == full["continued"]  # bitwise
+    # module-list experts live on their ranks only: a full file is refused before training, with the fix
+    assert "save_distributed_checkpoint=False with expert_parallel_size=2" in got["hand_full_refused"]
+    assert "lit-parallel consolidate" in got["hand_full_refused"]
+
+
+@pytest.mark.parametrize("name", ["hand", "mixtral"])
+def test_a_meta_device_model_is_materialised_per_expert(two, name):
+    got = two.scenario("meta_init")[0][name]
+    assert len(got["losses"]) == 2 * sc.ACCUMULATE and all(math.isfinite(x) for x in got["losses"])
+    params = got["params"]
+    assert set(params) == {f"model.{k}" for k in MODELS[name]().state_dict()}
+    for k, v in params.items():
+        assert torch.isfinite(v).all(), k
+    # every expert drew its own initial weights (no expert left empty, none a copy of another)
+    if name == "mixtral":
+        experts = params["model.model.layers.0.mlp.experts.gate_up_proj"]
+        rows = [experts[i] for i in range(experts.shape[0])]
+    else:
+        rows = [params[f"model.blocks.0.moe.experts.{i}.w1.weight"] for i in range(4)]
+    for i in range(len(rows)):
+        assert rows[i].abs().sum() > 0
+        for j in range(i):
+            assert not torch.equal(rows[i], rows[j]), (i, j)
 
 
 # --- 4 ranks --------------------------------------------------------------------------------------------
@@ -214,7 +259,7 @@ def test_fsdp_on_4_ranks_matches_one_process(four, scenario, name):
     _stacked_experts_per_rank(results, 4)
 
 
-@pytest.mark.parametrize("name", sc.MODEL_NAMES)
+@pytest.mark.parametrize("name", sc.TP_MODEL_NAMES)
 def test_tp_dp_with_experts_matches_one_process(four, name):
     results = [r[name] for r in four.scenario("parity_tp_dp")]
     assert results[0]["mesh"] == ["expert_data_parallel", "expert_parallel", "tensor_parallel"]
