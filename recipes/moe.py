@@ -8,7 +8,8 @@ embeddings) is FSDP-sharded over all ranks as without it. The model is transform
 sizes in the config (no download, no pretrained weights); the strategy finds its MoE layers (the
 ``MixtralExperts`` of every decoder layer). The loss is the next-byte cross-entropy plus the model's
 load-balancing loss (``router_aux_loss_coef x aux_loss``), as Mixtral was trained. Byte-level data as in
-the GPT recipe. Needs transformers 5 (``pip install "transformers>=5"``).
+the GPT recipe. Needs transformers (the ``moe`` extra: ``pip install -e ".[recipes,moe]"``; tested with
+transformers 5, which stores the experts stacked).
 
 Config: configs/moe_ep.yaml (header: launch commands). Quick start on one machine, 2 CPU processes:
 
@@ -47,7 +48,7 @@ def mixtral(
     except ImportError as error:
         raise ImportError(
             "recipes/moe.py builds transformers' MixtralForCausalLM, and transformers is not installed:"
-            ' pip install "transformers>=5"'
+            ' pip install -e ".[recipes,moe]" (or pip install transformers)'
         ) from error
     config = MixtralConfig(
         vocab_size=vocab_size,
