@@ -4,8 +4,10 @@
   (samples/s, and tokens/s for language models), configurable from YAML.
 - :func:`training_flops`: FLOPs per training batch, for FLOP/s and MFU in the throughput log.
 - :class:`ParallelDiagnostics`: what the strategy decided (bucket sizes, blocks wrapped, tensor-parallel
-  plan, auto_parallel's choice) as hyperparameters, and per epoch: the bytes of parameters, gradients and
-  optimizer state this rank holds (measured at the second optimizer step; the largest rank), the problems ``PitfallReport`` and ``SetEpochCheck`` found, BatchNorm layers synchronized.
+  plan, MoE layers split over expert-parallel ranks, auto_parallel's choice) as hyperparameters, and per
+  epoch: the bytes of parameters, gradients and optimizer state this rank holds (measured at the second
+  optimizer step; the largest rank), the problems ``PitfallReport`` and ``SetEpochCheck`` found, BatchNorm
+  layers synchronized.
 - :class:`RecipeCLI`: ``LightningCLI`` that also logs to TensorBoard when it is installed (next to the
   CSV logger of the configs) and overwrites its saved ``config.yaml`` on reruns.
 """
@@ -80,6 +82,9 @@ class ParallelDiagnostics(L.Callback):
             info["tensor_parallel"] = (
                 f"{len(tp_plan.split)} layers split, {len(tp_plan.replicated)} replicated"
             )
+        expert_plan = getattr(strategy, "expert_plan", None)  # expert_parallel_size > 1
+        if expert_plan is not None:
+            info["expert_parallel"] = expert_plan.summary()
         for logger in trainer.loggers:
             logger.log_hyperparams({f"parallel/{k}": v for k, v in info.items()})
 

@@ -109,6 +109,19 @@ def check_fsdp_blocks(runs):
         assert "TransformerEncoderLayer: 4 x" in _last_line(run), run["stdout"][-2000:]
 
 
+@check("docs/reference/strategies/expert_parallel.md")
+def check_expert_parallel(runs):
+    _trained(runs, "TransformerFSDPStrategy", steps=4)
+    # each rank routes its own 4 batches of 8 sequences x 16 tokens to top-2 of 4 experts in 2 layers
+    pairs = 4 * 8 * 16 * 2 * 2
+    for rank, run in enumerate(runs):
+        lines = run["stdout"].strip().splitlines()
+        assert "data_parallel 2 = expert_data_parallel 1 x expert_parallel 2" in lines, run["stdout"][-2000:]
+        assert f"rank {rank} holds 2 of 4 experts" in lines
+        assert f"rank {rank} sent {pairs} (token, expert) pairs, dropped 0" in lines
+        assert _last_line(run) == "2 MoE layers (4 experts each) split over 2 expert-parallel ranks"
+
+
 @check("docs/reference/strategies/hsdp.md")
 def check_hsdp(runs):
     _trained(runs, "HybridShardStrategy", steps=4)

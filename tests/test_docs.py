@@ -53,6 +53,7 @@ GUIDES = [
     "how-to/checkpoints.md",
     "how-to/troubleshooting.md",
     "how-to/recipes.md",
+    "reference/strategies/expert_parallel.md",
     "reference/cli.md",
     "reference/api/strategies.md",
     "reference/api/callbacks.md",
@@ -304,6 +305,21 @@ def test_supported_models_table_has_a_column_per_registered_strategy():
     text = (DOCS / "reference" / "supported-models.md").read_text()
     header = next(line for line in text.splitlines() if line.startswith("| model |"))
     assert all(f"`{name}`" in header for name in STRATEGY_NAMES), header
+
+
+def test_supported_models_moe_table_has_a_row_per_model_the_expert_parallel_tests_train():
+    from tests.moe_models import MODELS as MOE_MODELS
+    from tests.scenarios.expert_parallel import MODEL_NAMES
+
+    spec = importlib.util.spec_from_file_location("supported_models", DOCS / "hooks" / "supported_models.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert list(gen.EXPERT_PARALLEL_MODELS) == list(MOE_MODELS) and set(MODEL_NAMES) <= set(MOE_MODELS)
+    text = (DOCS / "reference" / "supported-models.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| MoE model |"))
+    assert all(f"`{name}`" in header for name in ("fsdp_blocks", "tp_dp", "pp_dp")), header
+    for label, cells in gen.EXPERT_PARALLEL_MODELS.values():
+        assert len(cells) == len(gen.EXPERT_PARALLEL_COLUMNS) and f"| {label} | {' | '.join(cells)} |" in text
 
 
 def test_every_recipe_config_is_listed_in_both_recipe_guides():

@@ -1,5 +1,5 @@
 """The recipes: every config parses, every header shows the three launch commands, and each 2-rank config runs
-as written on 2 CPU ranks through its first validation (one torchrun launch runs all four, as their headers
+as written on 2 CPU ranks through its first validation (one torchrun launch runs all five, as their headers
 say; tests/scenarios/recipes.py; gpt_pp runs in tests/strategies/test_pipeline.py), logs loss, throughput and
 diagnostics, and the sharded GPT checkpoint consolidates into a plain state_dict."""
 
@@ -34,6 +34,7 @@ CONFIGS = {
     "gpt_fsdp": ("gpt.py", "lit_parallel.TransformerFSDPStrategy"),
     "gpt_hsdp": ("gpt.py", "lit_parallel.HybridShardStrategy"),
     "llama_tp": ("llama.py", "lit_parallel.TensorParallelStrategy"),
+    "moe_ep": ("moe.py", "lit_parallel.TransformerFSDPStrategy"),
 }
 
 
@@ -139,6 +140,7 @@ def test_each_recipe_runs_as_written_through_its_validation(trained):
         "gpt_fsdp": "TransformerFSDPStrategy",
         "gpt_hsdp": "HybridShardStrategy",
         "llama_tp": "TensorParallelStrategy",
+        "moe_ep": "TransformerFSDPStrategy",
     }
     for config, strategy in expected.items():
         assert r0[config]["strategy"] == strategy, config
@@ -188,6 +190,13 @@ def test_recipes_log_loss_throughput_and_diagnostics(trained):
     assert hparams["parallel/blocks_wrapped"].startswith(
         f"{load_config('gpt_fsdp')['model']['n_layer']} blocks"
     )
+    moe = load_config("moe_ep")
+    hparams = yaml.safe_load((Path(r0["moe_ep"]["log_dir"]) / "hparams.yaml").read_text())
+    assert hparams["parallel/expert_parallel"] == (
+        f"{moe['model']['n_layers']} MoE layers ({moe['model']['num_experts']} experts each) split over"
+        f" {moe['trainer']['strategy']['init_args']['expert_parallel_size']} expert-parallel ranks"
+    )
+    assert _values(r0["moe_ep"]["rows"], "train_load_balance")  # the router's load-balancing loss
 
 
 @pytest.mark.multiprocess

@@ -118,7 +118,10 @@ def _cell(text: str) -> str:
     return _inline(" ".join(text.split())).replace("|", "\\|")
 
 
-_ENTRY = re.compile(r"^(\*{0,2}[A-Za-z_][\w.]*(?:, *\*{0,2}[A-Za-z_][\w.]*)*)(?: \(([^)]*)\))?: ?(.*)$")
+# names separated by ", " or " / " (``a / b: the same, ...``)
+_ENTRY = re.compile(
+    r"^(\*{0,2}[A-Za-z_][\w.]*(?:(?:, *| / )\*{0,2}[A-Za-z_][\w.]*)*)(?: \(([^)]*)\))?: ?(.*)$"
+)
 _NAMES_ONLY = re.compile(r"^\*{0,2}[A-Za-z_]\w*(?:, *\*{0,2}[A-Za-z_]\w*)*,$")
 
 
@@ -151,7 +154,7 @@ def _entries(lines: list[str]) -> list[tuple[str, str]]:
 def _table(entries: list[tuple[str, str]], head: str) -> list[str]:
     rows = [f"| {head} | description |", "|---|---|"]
     for names, text in entries:
-        cell = ", ".join(f"`{n.strip()}`" for n in names.split(",")) if names else ""
+        cell = ", ".join(f"`{n.strip()}`" for n in re.split(r",| / ", names)) if names else ""
         rows.append(f"| {cell} | {_cell(text)} |")
     return rows
 

@@ -49,6 +49,66 @@ NOT_IN_SUITE = {
 }
 
 
+# Mixture-of-experts models under expert parallelism (``expert_parallel_size``): not part of the conformance
+# suite (its models have no experts); tests/parallel/expert_parallel/test_expert_parallel.py runs them against
+# one plain process. Keys: the test models' names (tests/moe_models.py MODELS); a cell: exact, or not run.
+EXPERT_PARALLEL_COLUMNS = [
+    "`fsdp_blocks`, 2 ranks: ep 2",
+    "`fsdp_blocks`, 4 ranks: ep 2 (x 2 expert-data-parallel)",
+    "`fsdp_blocks`, 4 ranks: ep 4",
+    "`tp_dp`, dp 2 x tp 2: ep 2",
+    "`pp_dp`, pp 2 x dp 2: ep 2",
+]
+EXPERT_PARALLEL_MODELS = {
+    "mixtral": (
+        "HF Mixtral (`MixtralForCausalLM`: stacked `MixtralExperts`, top-2, load-balancing loss)",
+        ["exact (1/2)", "exact (1/4)", "exact (1/4)", "exact (1/2)", "not run"],
+    ),
+    "qwen2_moe": (
+        "HF Qwen2-MoE (`Qwen2MoeForCausalLM`: stacked experts and a shared expert)",
+        ["exact (1/2)", "exact (1/4)", "exact (1/4)", "exact (1/2)", "not run"],
+    ),
+    "olmoe": (
+        "HF OLMoE (`OlmoeForCausalLM`: stacked experts, q/k norms over all heads)",
+        ["exact (1/2)", "exact (1/4)", "exact (1/4)", "not run (see below)", "not run"],
+    ),
+    "hand": (
+        "hand-written MoE (a router and an `nn.ModuleList` of SwiGLU experts, its own load-balancing loss)",
+        ["exact (1/2)", "exact (1/4)", "exact (1/4)", "exact (1/2)", "exact"],
+    ),
+}
+EXPERT_PARALLEL = """\
+## Mixture-of-experts models under expert parallelism
+
+Trained with `expert_parallel_size` ([Expert parallelism](strategies/expert_parallel.md)) by
+`tests/parallel/expert_parallel/test_expert_parallel.py` (models in `tests/moe_models.py`) on 2 and 4 CPU
+ranks (gloo), against one plain PyTorch process on the same global batches: fp32, 3 optimizer steps of 2
+accumulated micro-batches with gradient clipping, every micro-batch loss and every parameter after
+training within 1e-5 relative error. The number in brackets is the share of every expert weight one rank
+holds; the test checks that the ranks' pieces add up to each weight exactly once (under `tp_dp` once per
+tensor-parallel rank: the experts are not tensor-parallel). The `pp_dp` run cuts the hand-written model
+into 2 stages; the transformers models are not run under `pp_dp`. With `activation_checkpointing=True`
+(`fsdp_blocks`, 2 ranks, ep 2) Mixtral and the hand-written MoE are exact too.
+
+| MoE model | {columns} |
+|---|{rules}
+{rows}
+
+OLMoE is not run under `tp_dp`: it normalises q and k over all heads together (`q_norm` and `k_norm` of
+the full width), which `tp_dp`'s plan cannot split, with or without experts. Other transformers 5 families
+store their experts the same way (stacked `*Experts` modules called with the routing) and are found by
+`find_moe_layers`, e.g. Qwen3-MoE, DeepSeek-V2 and Granite-MoE; they are not in these tests.
+"""
+
+
+def _expert_parallel_section() -> list[str]:
+    rows = "\n".join(f"| {label} | {' | '.join(cells)} |" for label, cells in EXPERT_PARALLEL_MODELS.values())
+    text = EXPERT_PARALLEL.format(
+        columns=" | ".join(EXPERT_PARALLEL_COLUMNS), rules="---|" * len(EXPERT_PARALLEL_COLUMNS), rows=rows
+    )
+    return ["", *text.rstrip("\n").split("\n")]
+
+
 def _cell(cell: dict) -> str:
     if cell["status"] != "exact":
         return "**fails**"
@@ -94,6 +154,7 @@ def render(results: dict) -> str:
         lines.append(f"| {model['family']} | {' | '.join(cells)} |")
     for s in absent:
         lines += ["", NOT_IN_SUITE[s]]
+    lines += _expert_parallel_section()
     lines += ["", "## What is split, what is replicated and why", ""]
     for model in results["models"]:
         lines += _details(model, strategies)
