@@ -118,11 +118,12 @@ def _as_module_list(path: str, module: nn.Module) -> MoELayer | None:
     """A layer with an ``nn.ModuleList`` of two or more identical modules (same class, same parameter shapes)
     and a router child with one output per expert."""
     for name, child in module.named_children():
-        if not isinstance(child, nn.ModuleList) or len(child) < 2:
-            continue
-        first = child[0]
+        members = list(child) if isinstance(child, nn.ModuleList) else []
+        if len(members) < 2 or list(child._modules) != [str(i) for i in range(len(members))]:
+            continue  # not a list of experts (a pipeline stage's pruned list of blocks has gaps)
+        first = members[0]
         shapes = _shapes(first)
-        if not shapes or any(type(e) is not type(first) or _shapes(e) != shapes for e in child):
+        if not shapes or any(type(e) is not type(first) or _shapes(e) != shapes for e in members):
             continue
         for router_name in ROUTER_NAMES:
             router = getattr(module, router_name, None)
