@@ -46,7 +46,8 @@ check: lint
 
 # The unit tier and one launch per strategy on $(COMPAT_TORCH_SPEC): two launches cover all six strategies
 # (Lightning's launcher, 2 ranks: ddp_tuned, fsdp_blocks, hsdp, auto_parallel's choices and the paths of an
-# older torch, forced; the shared 4-rank launch: tp_dp as dp2 x tp2 and pp_dp as pp2 x dp2). From scratch
+# older torch, forced; the shared 4-rank launch: tp_dp as dp2 x tp2 and pp_dp as pp2 x dp2), a third expert
+# parallelism (2 ranks: fsdp_blocks with expert_parallel_size=2 on four MoE models, checkpoints, all-to-all bytes). From scratch
 # (the environment built, ~6 GB) about 4 minutes on 2 cores; docs/reference/versions.md has the matrix.
 COMPAT_LAUNCH_TESTS := \
 	tests/strategies/test_ddp.py::test_registry_name_under_lightnings_own_launcher_matches_single_process \
@@ -54,6 +55,7 @@ COMPAT_LAUNCH_TESTS := \
 	tests/strategies/test_auto.py::test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_like_it \
 	tests/strategies/test_tensor_parallel.py::test_dp2_tp2_matches_single_process_with_accumulation_and_clipping \
 	tests/strategies/test_pipeline.py::test_pp2_dp2_matches_single_process \
+	tests/parallel/expert_parallel/test_expert_parallel.py::test_fsdp_ep2_matches_one_process \
 	tests/strategies/test_older_torch.py
 
 $(COMPAT_VENV)/.installed: pyproject.toml
