@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 import torch.nn.functional as F
+from optimization import adamw_warmup_cosine
 from text_data import ByteTextData
 from torch import nn
 from training_logs import RecipeCLI, training_flops
@@ -172,34 +173,7 @@ class GPTLanguageModel(L.LightningModule):
         self.log("val_bits_per_byte", loss / math.log(2), sync_dist=True)
 
     def configure_optimizers(self):
-        # Parameters are sharded (DTensors) by the time this runs; grouping by dimension still works.
-        decay = [p for p in self.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.hparams.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.hparams.lr,
-            betas=(0.9, 0.95),
-        )
-        total = max(1, self.trainer.estimated_stepping_batches)
-        warmup = min(self.hparams.warmup_steps, total // 10 + 1)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.1 + 0.9 * 0.5 * (
-                1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))
-            )
-
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {
-                "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-                "interval": "step",
-            },
-        }
+        return adamw_warmup_cosine(self)
 
 
 class GPTCLI(RecipeCLI):
