@@ -22,7 +22,7 @@ from torch import nn
 from lit_parallel._compat import foreach_mul_
 from lit_parallel.formatting import format_bytes
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
-from lit_parallel.parallel.expert_parallel.apply import expert_norm_group
+from lit_parallel.parallel.expert_parallel.apply import RemoteExpert, expert_norm_group
 from lit_parallel.parallel.materialize import mesh_device
 from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
 from lit_parallel.parallel.mesh import ParallelDims
@@ -324,9 +324,29 @@ def load_full_state_dict(
             full = torch.load(state_dict, mmap=True, weights_only=True, map_location="cpu")
         else:
             full = dict(state_dict)
+    # module-list experts under expert parallelism: each rank holds some experts, the file has them all
+    partial = any(isinstance(m, RemoteExpert) for m in module.modules())
+    if partial and strict:
+        _check_every_local_key_is_in(module, full)
     set_model_state_dict(
-        module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+        module,
+        full,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict and not partial),
     )
+
+
+def _check_every_local_key_is_in(module: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+    """Rank 0's keys reach every rank; each checks that the file holds all of its own (strict loading where
+    ranks hold different parts of the model)."""
+    keys = [sorted(full)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(keys, src=0)
+    missing = sorted(set(module.state_dict()) - set(keys[0]))
+    if missing:
+        raise KeyError(
+            f"the full state dict lacks {len(missing)} key(s) this rank holds, e.g. {missing[:3]}; pass the"
+            " whole model's state dict (every expert), or strict=False"
+        )
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

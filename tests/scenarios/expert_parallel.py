@@ -340,3 +340,24 @@ def meta_init(ctx) -> dict:
         t = _fit(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2), module, steps=2)
         out[name] = {"losses": module.losses, "params": _full_params(t.strategy, module)}
     return out
+
+
+class ValidatedMoE(LitMoE):
+    def validation_step(self, batch, batch_idx):
+        return lm_loss(self.model, batch[0], batch[1])
+
+
+def init_from_file(ctx) -> dict:
+    """``init_from=`` a full state dict (every expert) under expert_parallel_size=2: each rank keeps its
+    experts (module-list experts: only its own keys). Returned unsplit after a validation (no step)."""
+    out = {}
+    for name in ("hand", "mixtral"):
+        path = Path(ctx.args["ckpt_dir"]) / f"{name}_init.pt"
+        if dist.get_rank() == 0:
+            torch.save({f"model.{k}": v for k, v in MODELS[name](seed=5).state_dict().items()}, path)
+        dist.barrier()
+        module = ValidatedMoE(name)
+        t = quiet_trainer(ctx, lp.TransformerFSDPStrategy(expert_parallel_size=2, init_from=str(path)))
+        t.validate(module, DataLoader(lm_dataset(8), batch_size=PER_RANK_BATCH))
+        out[name] = {"path": str(path), "params": _full_params(t.strategy, module)}
+    return out

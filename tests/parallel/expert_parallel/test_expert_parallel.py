@@ -40,6 +40,7 @@ def two(tmp_path_factory, ckpt_dir):
                 "exchange_bytes",
                 "checkpoint_save",
                 "meta_init",
+                "init_from_file",
             )
         ],
         2,
@@ -242,6 +243,15 @@ def test_a_meta_device_model_is_materialised_per_expert(two, name):
         assert rows[i].abs().sum() > 0
         for j in range(i):
             assert not torch.equal(rows[i], rows[j]), (i, j)
+
+
+@pytest.mark.parametrize("name", ["hand", "mixtral"])
+def test_init_from_a_full_file_fills_every_expert(two, name):
+    got = two.scenario("init_from_file")[0][name]
+    full = torch.load(got["path"], weights_only=True)
+    assert set(got["params"]) == set(full)
+    for k, v in full.items():
+        assert torch.equal(got["params"][k], v), k
 
 
 # --- 4 ranks --------------------------------------------------------------------------------------------
