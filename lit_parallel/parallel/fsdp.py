@@ -331,7 +331,9 @@ def load_full_state_dict(
     set_model_state_dict(
         module,
         full,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict and not partial),
+        options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=strict and not partial
+        ),
     )
 
 

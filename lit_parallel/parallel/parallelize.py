@@ -17,14 +17,15 @@ belongs first, before tensor parallelism, so that each stage is parallelized on 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from lit_parallel._logging import info
 from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer_blocks
 from lit_parallel.parallel.expert_parallel import (
     apply_expert_parallel,
@@ -181,10 +182,12 @@ def no_cache_under_recomputation(module: nn.Module) -> None:
         cfg = getattr(m, "config", None)
         if getattr(cfg, "use_cache", False) is True:
             cfg.use_cache = False
-            info(
-                f"activation checkpointing: {type(m).__name__}.config.use_cache set to False (a recomputed"
-                " block would fill the key/value cache twice)"
-            )
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                # the package's logger, without Lightning's rank-zero helper (this layer imports no Lightning)
+                logging.getLogger("lit_parallel").info(
+                    f"activation checkpointing: {type(m).__name__}.config.use_cache set to False (a recomputed"
+                    " block would fill the key/value cache twice)"
+                )
 
 
 def apply_activation_checkpointing(block: nn.Module) -> None:
