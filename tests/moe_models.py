@@ -10,23 +10,29 @@ from torch import nn
 VOCAB, HIDDEN, EXPERTS, TOP_K = 64, 16, 4, 2
 
 
+# what every transformers test config shares: tiny sizes, top-2 routing, the load-balancing loss on, eager attention
+_SHARED = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    num_experts_per_tok=TOP_K,
+    output_router_logits=True,
+    router_aux_loss_coef=0.02,
+    max_position_embeddings=64,
+    attn_implementation="eager",
+)
+
+
 def mixtral(seed: int = 0, experts: int = EXPERTS, layers: int = 2) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+        **_SHARED,
         intermediate_size=32,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
         num_local_experts=experts,
-        num_experts_per_tok=TOP_K,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
-        max_position_embeddings=64,
-        attn_implementation="eager",
     )
     return MixtralForCausalLM(config)
 
@@ -36,21 +42,13 @@ def qwen2_moe(seed: int = 0, experts: int = EXPERTS, layers: int = 2) -> nn.Modu
 
     torch.manual_seed(seed)
     config = Qwen2MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+        **_SHARED,
         intermediate_size=32,
         moe_intermediate_size=24,
         shared_expert_intermediate_size=32,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
         num_experts=experts,
-        num_experts_per_tok=TOP_K,
         norm_topk_prob=False,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
-        max_position_embeddings=64,
-        attn_implementation="eager",
     )
     return Qwen2MoeForCausalLM(config)
 
@@ -60,18 +58,10 @@ def olmoe(seed: int = 0, experts: int = EXPERTS, layers: int = 2) -> nn.Module:
 
     torch.manual_seed(seed)
     config = OlmoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+        **_SHARED,
         intermediate_size=24,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
         num_experts=experts,
-        num_experts_per_tok=TOP_K,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
-        max_position_embeddings=64,
-        attn_implementation="eager",
     )
     return OlmoeForCausalLM(config)
 

@@ -25,7 +25,7 @@ from lit_parallel.parallel.blocks import BlockPlan, BlockTypes, find_transformer
 from lit_parallel.parallel.expert_parallel.apply import RemoteExpert, expert_norm_group
 from lit_parallel.parallel.materialize import mesh_device
 from lit_parallel.parallel.memory import MemoryEstimate, estimate_memory
-from lit_parallel.parallel.mesh import ParallelDims
+from lit_parallel.parallel.mesh import ParallelDims, mesh_group_ranks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,17 +103,27 @@ def apply_fsdp(
     if isinstance(blocks, (str, BlockPlan)) or callable(blocks) or _is_type_set(blocks):
         plan = blocks if isinstance(blocks, BlockPlan) else find_transformer_blocks(module, blocks)
         blocks = [block for _, block in plan.blocks]
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    if offload is not None:
-        kwargs["offload_policy"] = offload
+    kwargs = {"mesh": mesh, **fsdp_kwargs(reshard_after_forward, mp_policy, offload)}
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(module, **{**kwargs, "reshard_after_forward": False})
     for name in forward_methods:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)
+
+
+def fsdp_kwargs(
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload: OffloadPolicy | None = None,
+) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments besides the mesh (the policies only when given)."""
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    return kwargs
 
 
 def _is_type_set(blocks: Any) -> bool:
@@ -159,8 +169,7 @@ def _grad_group_key(g: torch.Tensor) -> tuple:
 
     if isinstance(g, DTensor):
         mesh = g.device_mesh
-        ranks = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
-        return (1, str(mesh.mesh_dim_names), str(ranks), str(g.placements))
+        return (1, str(mesh.mesh_dim_names), str(mesh_group_ranks(mesh)), str(g.placements))
     return (0, str(g.device), "", "")
 
 
@@ -221,15 +230,8 @@ def grad_norm(
         return torch.zeros((), dtype=torch.float32, device=device)
     device = _norm_device(grads)
     groups: dict[tuple, list[torch.Tensor]] = {}
-    extra: dict[tuple, dist.ProcessGroup] = {}
     for g in grads:
-        key = _grad_group_key(g)
-        # module-list experts: the other expert-parallel ranks hold other experts under a mesh alike
-        other = expert_norm_group(g.device_mesh) if isinstance(g, DTensor) else None
-        if other is not None:
-            key = (*key, str(dist.get_process_group_ranks(other)))
-            extra[key] = other
-        groups.setdefault(key, []).append(g)
+        groups.setdefault(_grad_group_key(g), []).append(g)
     inf = norm_type == float("inf")
     norms = []
     for key in sorted(groups):
@@ -247,8 +249,10 @@ def grad_norm(
             if not placement.is_replicate():
                 op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
                 dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-        if key in extra:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=extra[key])
+        # module-list experts: the other expert-parallel ranks hold other experts under a mesh alike
+        other = expert_norm_group(mesh)
+        if other is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=other)
         norms.append(_moved(value if inf else value ** (1.0 / norm_type), device))
     return torch.nn.utils.get_total_norm(norms, norm_type, False, foreach)
 

@@ -64,7 +64,16 @@ __all__ = [
     "ParallelDims",
     "check_size",
     "divisors",
+    "mesh_group_ranks",
 ]
+
+
+def mesh_group_ranks(mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+    """Per dimension of ``mesh``, the global ranks of this rank's group: read from the process groups, not from
+    ``DeviceMesh.mesh`` (a sub-mesh builds that tensor from the full mesh with ``.item()`` calls, host reads)."""
+    import torch.distributed as dist
+
+    return tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
 
 
 def check_size(name: str, value: Any, *, auto: bool = False) -> None:

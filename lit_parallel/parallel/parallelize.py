@@ -33,7 +33,7 @@ from lit_parallel.parallel.expert_parallel import (
     outside_experts,
     without_expert_modules,
 )
-from lit_parallel.parallel.fsdp import apply_fsdp
+from lit_parallel.parallel.fsdp import apply_fsdp, fsdp_kwargs
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_blocks, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
 
@@ -133,7 +133,13 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
     )
     if experts is not None:
         # each block's experts are FSDP-sharded over the ranks holding them just before the block itself
-        ready = experts_sharded_first(module, ready, experts, dims, _fsdp_kwargs(config))
+        ready = experts_sharded_first(
+            module,
+            ready,
+            experts,
+            dims,
+            fsdp_kwargs(config.reshard_after_forward, config.mp_policy, config.offload),
+        )
     apply_fsdp(
         module,
         dims.fsdp_mesh(),
@@ -144,15 +150,6 @@ def parallelize(module: nn.Module, dims: ParallelDims, config: ParallelizeConfig
         forward_methods=config.forward_methods,
     )
     return plan
-
-
-def _fsdp_kwargs(config: ParallelizeConfig) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
-    if config.mp_policy is not None:
-        kwargs["mp_policy"] = config.mp_policy
-    if config.offload is not None:
-        kwargs["offload_policy"] = config.offload
-    return kwargs
 
 
 def apply_tensor_parallel(

@@ -64,8 +64,9 @@ _NORM_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
 def _mesh_key(mesh: Any) -> tuple:
-    ranks = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim))
-    return (tuple(mesh.mesh_dim_names or ()), ranks)
+    from lit_parallel.parallel.mesh import mesh_group_ranks
+
+    return (tuple(mesh.mesh_dim_names or ()), mesh_group_ranks(mesh))
 
 
 def expert_norm_group(mesh: Any) -> dist.ProcessGroup | None:

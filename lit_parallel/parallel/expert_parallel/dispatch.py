@@ -50,16 +50,34 @@ class ExchangeStats:
         self.per_expert = []
 
     def add(self, other: ExchangeStats) -> None:
-        self.calls += other.calls
-        self.rows_sent += other.rows_sent
-        self.rows_received += other.rows_received
-        self.rows_sent_remote += other.rows_sent_remote
-        self.rows_received_remote += other.rows_received_remote
-        self.dropped += other.dropped
-        if len(self.per_expert) < len(other.per_expert):
-            self.per_expert += [0] * (len(other.per_expert) - len(self.per_expert))
-        for i, v in enumerate(other.per_expert):
-            self.per_expert[i] += v
+        """Count ``other``'s exchanges too."""
+        for name in (
+            "calls",
+            "rows_sent",
+            "rows_received",
+            "rows_sent_remote",
+            "rows_received_remote",
+            "dropped",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self._add_per_expert(other.per_expert)
+
+    def _add_per_expert(self, per_expert: list[int]) -> None:
+        self.per_expert += [0] * (len(per_expert) - len(self.per_expert))
+        for i, n in enumerate(per_expert):
+            self.per_expert[i] += n
+
+    def record(
+        self, send: list[int], receive: list[int], me: int, per_expert: list[int], dropped: int
+    ) -> None:
+        """One exchange: rows per destination and per source rank (``me`` is this rank), pairs per expert."""
+        self.calls += 1
+        self.rows_sent += sum(send)
+        self.rows_received += sum(receive)
+        self.rows_sent_remote += sum(send) - send[me]
+        self.rows_received_remote += sum(receive) - receive[me]
+        self.dropped += dropped
+        self._add_per_expert(per_expert)
 
 
 def _all_to_all(
@@ -115,28 +133,23 @@ def dispatch_combine(
     dist.all_to_all_single(recv_counts, counts, group=group)
     host = torch.cat([counts, recv_counts]).tolist()
     sent, received = host[:num_experts], host[num_experts:]
-    sorted_expert = expert[order]
     n_routed = sum(sent)
-    keep = None
+    routed = order[:n_routed]
+    dropped = 0
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * expert.numel() / num_experts)
         kept = [min(c, capacity) for c in sent]
         if kept != sent:
-            keep = _capacity_keep(sorted_expert[:n_routed], sent, capacity)
+            routed = routed[_capacity_keep(expert[routed], sent, capacity)]
         dropped = n_routed - sum(kept)
         sent = kept
         # the receivers' counts shrink alike: exchange the kept counts (a second small all-to-all)
         kept_t = torch.tensor(kept, dtype=counts.dtype, device=counts.device)
         dist.all_to_all_single(recv_counts, kept_t, group=group)
         received = recv_counts.tolist()
-    else:
-        dropped = 0
     send_splits = [sum(sent[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
     recv_splits = [sum(received[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-    routed = order[:n_routed]
-    if keep is not None:
-        routed = routed[keep]
-    x = rows[routed // pairs_per_row] if pairs_per_row > 1 else rows[routed]
+    x = rows[routed // pairs_per_row]
     got = _all_to_all(x, recv_splits, send_splits, group)
     # received rows: by source rank, then by local expert; the local expert of each
     local = torch.arange(per_rank, device=rows.device).repeat(ep)
@@ -146,12 +159,5 @@ def dispatch_combine(
     out = back.new_zeros((expert.numel(), *back.shape[1:]))
     out = out.index_copy(0, routed, back)
     if stats is not None:
-        me = dist.get_rank(group)
-        stats.calls += 1
-        stats.rows_sent += sum(send_splits)
-        stats.rows_received += sum(recv_splits)
-        stats.rows_sent_remote += sum(send_splits) - send_splits[me]
-        stats.rows_received_remote += sum(recv_splits) - recv_splits[me]
-        stats.dropped += dropped
-        stats.add(ExchangeStats(per_expert=sent))
+        stats.record(send_splits, recv_splits, dist.get_rank(group), sent, dropped)
     return out

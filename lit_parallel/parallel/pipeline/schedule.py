@@ -23,7 +23,7 @@ from lit_parallel.parallel.expert_parallel import (
     plan_expert_parallel,
     without_expert_modules,
 )
-from lit_parallel.parallel.fsdp import apply_fsdp, grad_norm, scale_grads_
+from lit_parallel.parallel.fsdp import apply_fsdp, fsdp_kwargs, grad_norm, scale_grads_
 from lit_parallel.parallel.materialize import broadcast_from_rank0, has_meta, materialize_owned, mesh_device
 from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import apply_activation_checkpointing, no_cache_under_recomputation
@@ -106,9 +106,7 @@ def parallelize_stages(
             continue
         ready: Iterable[nn.Module] = blocks
         if experts is not None:
-            kwargs: dict = {"reshard_after_forward": reshard_after_forward}
-            if mp_policy is not None:
-                kwargs["mp_policy"] = mp_policy
+            kwargs = fsdp_kwargs(reshard_after_forward, mp_policy)
             ready = experts_sharded_first(stage, blocks, experts, dims, kwargs)
         apply_fsdp(
             stage, dims.fsdp_mesh(), ready, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
