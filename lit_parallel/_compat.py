@@ -124,6 +124,13 @@ ENTRIES: dict[str, Entry] = {
         "checkpoint.load_sharded: load into one process without a process group",
         "dcp.load(no_dist=True) warns and fills only keys already in the state dict (ours starts empty)",
     ),
+    "create_host_state_dict": Entry(
+        "torch.distributed._state_dict_utils:_create_cpu_state_dict",
+        "checkpoint/background: the host copy of a state (DTensors kept as CPU DTensors, pinned on CUDA),"
+        " allocated once and reused by every asynchronous save, as DCP's own stagers do",
+        "torch.distributed.checkpoint.staging.BlockingAsyncStager(cache_staged_state_dict=True) pins"
+        " unconditionally (fails without CUDA) and copies every time (no reuse of a copy already made)",
+    ),
     "MemTracker": Entry(
         "torch.distributed._tools.mem_tracker:MemTracker",
         "tests (tests/memory_reference.py): torch's own count of a step's live tensor memory, the"
@@ -231,6 +238,13 @@ ENTRIES: dict[str, Entry] = {
     "optimizers_to_device": Entry(
         "lightning.fabric.utilities.optimizer:_optimizers_to_device",
         "strategies/fsdp: optimizer state on the root device, as ModelParallelStrategy.setup does",
+    ),
+    "wrap_link_checkpoint": Entry(
+        "lightning.pytorch.callbacks:ModelCheckpoint",
+        "reliability/async_checkpoints: save_last='link' links only to a checkpoint whose background write"
+        " finished (the link waits with it)",
+        "none (ModelCheckpoint links right after trainer.save_checkpoint returns)",
+        attributes=("_link_checkpoint",),
     ),
     # --- Lightning: accessors -------------------------------------------------------------------------
     "attached_trainer": Entry(
@@ -639,6 +653,13 @@ def wrap_resume_start(trainer: Any, wrap: Any) -> None:
     c = trainer._checkpoint_connector
     if not getattr(c.resume_start, "lit_parallel", False):
         c.resume_start = wrap(c.resume_start)
+
+
+def wrap_link_checkpoint(callback: Any, wrap: Any) -> None:
+    """Make ``wrap(original)`` what the ``ModelCheckpoint`` ``callback`` calls to link ``last.ckpt`` (once)."""
+    original = callback._link_checkpoint
+    if not getattr(original, "lit_parallel", False):
+        callback._link_checkpoint = wrap(original)
 
 
 def combined_loader(loop: Any) -> Any:

@@ -10,6 +10,7 @@ Lightning's ``ModelParallelStrategy`` do not go through a ``CheckpointIO``: thei
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,7 @@ from lit_parallel.checkpoint.write import (
     new_partial_path,
     write_error,
 )
+from lit_parallel.reliability.async_checkpoints import remove_after_writes, write_sharded
 from lit_parallel.reliability.options import RNG_KEY
 from lit_parallel.rng import capture_rng_state, state_from_bytes, state_to_bytes
 
@@ -84,10 +86,17 @@ class ReliableCheckpointIO(CheckpointIO):
     (never over a folder that is not a checkpoint); loads are verified first and use ``weights_only=True``
     unless asked otherwise. Loading runs on every rank: the path is rank 0's."""
 
-    def __init__(self, inner: CheckpointIO, progress: _Progress, broadcast: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        inner: CheckpointIO,
+        progress: _Progress,
+        broadcast: Callable[[Any], Any],
+        reliability: Any = None,  # the strategy's Reliability: its async checkpoints and step clock
+    ) -> None:
         self.inner = inner
         self._progress = progress
         self._broadcast = broadcast
+        self._reliability = reliability
 
     @override
     def save_checkpoint(
@@ -96,9 +105,24 @@ class ReliableCheckpointIO(CheckpointIO):
         if _is_remote(path):
             return self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
         self._progress.saving(path)
-        atomic_save(
-            lambda tmp: self.inner.save_checkpoint(checkpoint, tmp, storage_options=storage_options), path
-        )
+        checkpoints = self._reliability.checkpoints if self._reliability is not None else None
+
+        def write(state: dict[str, Any]) -> None:
+            atomic_save(
+                lambda tmp: self.inner.save_checkpoint(state, tmp, storage_options=storage_options), path
+            )
+
+        if checkpoints is not None and checkpoints.use_async():
+            check_replaceable(path, "file")  # refused at once, as a synchronous save would be
+            staged = checkpoints.stage(checkpoint)
+            checkpoints.submit(lambda: write(staged), path)
+            return None
+        started = time.monotonic()
+        write(checkpoint)
+        if checkpoints is not None:
+            checkpoints.after_synchronous_save(
+                time.monotonic() - started, list(self._reliability.clock.durations), checkpoint
+            )
         return None
 
     @override
@@ -123,7 +147,9 @@ class ReliableCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        self.inner.remove_checkpoint(path)
+        # ModelCheckpoint's deletion of an older checkpoint waits for the newer one's background write
+        checkpoints = self._reliability.checkpoints if self._reliability is not None else None
+        remove_after_writes(checkpoints, lambda: self.inner.remove_checkpoint(path), path)
 
     @override
     def teardown(self) -> None:
@@ -207,11 +233,20 @@ def save_sharded_checkpoint(
         return None
     token = strategy.broadcast(uuid.uuid4().hex[:12] if strategy.is_global_zero else None)
     partial = new_partial_path(path, token)
+    converted = {"state_dict": checkpoint.pop("state_dict")}
+    converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    checkpoints = strategy.reliability.checkpoints
+    # every rank saves in the same way: rank 0's decision ("auto" decides from rank 0's first save)
+    if checkpoints is not None and strategy.broadcast(checkpoints.use_async()):
+        group = checkpoints.process_group()
+        staged = checkpoints.stage({"dcp": converted, "meta": checkpoint})
+        meta = staged["meta"] if strategy.is_global_zero else None
+        checkpoints.submit(lambda: write_sharded(staged["dcp"], meta, partial, path, group), path)
+        return None
+    started = time.monotonic()
     if strategy.is_global_zero:
         partial.mkdir(parents=True)
     strategy.barrier()
-    converted = {"state_dict": checkpoint.pop("state_dict")}
-    converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     try:
         if strategy.is_global_zero:
             torch.save(checkpoint, partial / LIGHTNING_META)
@@ -227,6 +262,10 @@ def save_sharded_checkpoint(
     if strategy.is_global_zero:
         commit(partial, path)
     strategy.barrier()
+    if checkpoints is not None:
+        checkpoints.after_synchronous_save(
+            time.monotonic() - started, list(strategy.reliability.clock.durations), converted
+        )
     return None
 
 

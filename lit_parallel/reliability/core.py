@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_parallel import _compat, _logging
 from lit_parallel.reliability import groups, launcher
+from lit_parallel.reliability.async_checkpoints import SIGNAL_WAIT_S, AsyncCheckpoints, link_after_writes
 from lit_parallel.reliability.checkpoints import (
     ReliableCheckpointIO,
     collective_device,
@@ -88,6 +89,10 @@ class Reliability:
         self.rng_at_first_batch: dict | None = None
         self._failed = False
         self._previous_debug_level: Any = None
+        # asynchronous checkpoints (None: every save is synchronous)
+        self.checkpoints: AsyncCheckpoints | None = (
+            AsyncCheckpoints(options.async_checkpoint, timeout) if options.async_checkpoint else None
+        )
 
     @property
     def debug_level(self) -> DebugLevel | None:
@@ -115,7 +120,7 @@ class Reliability:
         handling, the launcher's watchdog threads and the callback."""
         if not isinstance(strategy.checkpoint_io, ReliableCheckpointIO):
             strategy.checkpoint_io = ReliableCheckpointIO(
-                strategy.checkpoint_io, self.progress, strategy.broadcast
+                strategy.checkpoint_io, self.progress, strategy.broadcast, self
             )
         existed = dist.is_available() and dist.is_initialized()
         self._set_debug_level(existed)
@@ -139,6 +144,10 @@ class Reliability:
         if trainer is not None:
             if not any(isinstance(c, ReliabilityCallback) for c in trainer.callbacks):
                 trainer.callbacks.append(ReliabilityCallback())
+            if self.checkpoints is not None:
+                for callback in trainer.checkpoint_callbacks:
+                    if isinstance(callback, ModelCheckpoint):
+                        link_after_writes(self.checkpoints, callback)
 
     def _set_debug_level(self, existed: bool) -> None:
         level = self.debug_level
@@ -216,8 +225,14 @@ class Reliability:
             return
         skip = self.preemption.signum if self.preemption is not None else None
         # the exit aborts the communicators first: NCCL peers fail at once instead of waiting out the timeout
+        checkpoints = self.checkpoints
         self.signals = SignalExit(
-            dist.get_rank(), launcher.stop_children, skip=skip, exit_with=groups.exit_process
+            dist.get_rank(),
+            launcher.stop_children,
+            skip=skip,
+            exit_with=groups.exit_process,
+            before_exit=checkpoints.wait_on_signal if checkpoints is not None else None,
+            extra_wait_s=SIGNAL_WAIT_S if checkpoints is not None else 0.0,
         )
         if not self.signals.install():
             self.signals = None
@@ -245,6 +260,8 @@ class Reliability:
     def on_exception(self, exception: BaseException, rank: int) -> None:
         """Print this rank's failure report (with the other ranks' positions) and append it to the error."""
         self._failed = True
+        if self.checkpoints is not None:
+            self.checkpoints.failed_run = True
         spawned = _spawned_failure(exception, rank)
         if spawned is not None:
             # this process is ddp_spawn's launching process, no rank: name the rank that failed
@@ -274,6 +291,11 @@ class Reliability:
                 f"{exception.args[0]}\n\n{short}" + (f"\n{rest}" if rest else ""),
                 *exception.args[1:],
             )
+
+    def finish_checkpoints(self) -> None:
+        """Before Lightning's teardown: every pending background write finished (a failed one is raised)."""
+        if self.checkpoints is not None:
+            self.checkpoints.finish()
 
     def teardown(self) -> None:
         """After Lightning's teardown: stop the reporter, retire the signal handler, and destroy a process
@@ -361,6 +383,8 @@ class ReliabilityCallback(Callback):
         r.progress.at(
             f"after training batch {batch_idx} (epoch {trainer.current_epoch}): callbacks, loading the next batch"
         )
+        if r.checkpoints is not None:
+            r.checkpoints.raise_failure()  # a background write that failed ends the run, as a failed save does
         if r.preemption is not None and not _compat.should_accumulate(trainer):
             r.preemption.check(trainer, r.progress.batch)
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
+from lit_parallel.reliability.async_checkpoints import check_async_checkpoint
+
 DEBUG_LEVELS = ("off", "info", "detail")
 RNG_KEY = "lit_parallel_rng_states"
 LAUNCHER_PID_ENV = "LIT_PARALLEL_LAUNCHER_PID"
@@ -55,12 +57,17 @@ class ReliabilityOptions:
             inside a SLURM allocation), SLURM's requeue signal (``SIGUSR1``, or the environment's
             ``requeue_signal``; off when its ``auto_requeue`` is off); otherwise off. A signal (``"SIGUSR1"``,
             ``signal.SIGUSR2``, ...) turns preemption checkpoints on anywhere; ``None`` turns them off.
+        async_checkpoint: ``False`` (default): a save returns when the checkpoint is written. ``True``: training
+            waits only for a copy of the state in host memory; the write runs in the background with the same
+            guarantees (:mod:`~lit_parallel.reliability.async_checkpoints`). ``"auto"``: in the background when
+            the first save took longer than a few training steps.
     """
 
     debug_level: DebugLevel | None = None
     watchdog: bool = True
     preemption_signal: PreemptionSignal = "auto"
     stall_timeout: Any = "auto"
+    async_checkpoint: Any = False
 
     def __post_init__(self) -> None:
         if self.debug_level is not None and self.debug_level not in DEBUG_LEVELS:
@@ -72,6 +79,7 @@ class ReliabilityOptions:
             raise ValueError(f"watchdog={self.watchdog!r} must be True or False")
         object.__setattr__(self, "preemption_signal", _parse_signal(self.preemption_signal))
         object.__setattr__(self, "stall_timeout", check_stall_timeout(self.stall_timeout))
+        object.__setattr__(self, "async_checkpoint", check_async_checkpoint(self.async_checkpoint))
 
 
 def check_stall_timeout(value: Any) -> Literal["auto"] | float | None:

@@ -92,6 +92,10 @@ class Preemption:
         self.requested = False
         path = strategy.broadcast(_compat.hpc_save_path(trainer, trainer.default_root_dir))
         trainer.save_checkpoint(path)
+        checkpoints = getattr(getattr(strategy, "reliability", None), "checkpoints", None)
+        if checkpoints is not None:  # the job may be killed once requeued: the checkpoint is written first
+            checkpoints.writer.wait_for_writes()
+            checkpoints.raise_failure()
         requeued = ""
         if strategy.is_global_zero and self.slurm:
             requeued = _requeue_slurm_job()

@@ -47,8 +47,14 @@ class SignalExit:
         stop_children: Callable[[int, float], str],
         skip: Any = None,
         exit_with: Callable[[int], Any] = os._exit,
+        before_exit: Callable[[], str] | None = None,
+        extra_wait_s: float = 0.0,
     ) -> None:
         self.rank = rank
+        # waits (at most extra_wait_s) for what must finish before the exit (a background checkpoint write),
+        # and says what happened to it
+        self.before_exit = before_exit
+        self.extra_wait_s = extra_wait_s
         self.stop_children = stop_children
         self.exit = exit_with
         self.signals = tuple(s for s in SIGNALS if s != skip)  # the preemption signal keeps its own meaning
@@ -119,7 +125,7 @@ class SignalExit:
             return
         # the thread ends the process (after the ranks this process started): keep the main thread from
         # shutting down on its own meanwhile (Lightning would exit with status 0 or 1)
-        threading.Event().wait(HANDLER_WAIT_S)
+        threading.Event().wait(HANDLER_WAIT_S + self.extra_wait_s)
         self.exit(exit_status(signum))
 
     def _watch(self) -> None:
@@ -143,12 +149,20 @@ class SignalExit:
         code = exit_status(signum)
         name = signal.Signals(signum).name
         try:
-            children = self.stop_children(signum, CHILD_WAIT_S)
+            # the ranks it started wait for their own writes too
+            children = self.stop_children(signum, CHILD_WAIT_S + self.extra_wait_s)
         except Exception as err:  # the exit status and the message below must not depend on it
             children = f"stopping the processes it started failed: {type(err).__name__}: {err}"
+        waited = ""
+        if self.before_exit is not None:
+            try:
+                waited = self.before_exit()
+            except Exception as err:
+                waited = f"waiting for the checkpoint write failed: {type(err).__name__}: {err}"
         message = (
             f"lit_parallel: rank {self.rank} (pid {os.getpid()}) received {name}: exiting with status {code}"
         )
+        details = "".join(f"; {text}" for text in (waited, children) if text)
         with contextlib.suppress(OSError):
-            os.write(2, (message + (f"; {children}" if children else "") + "\n").encode())
+            os.write(2, (message + details + "\n").encode())
         self.exit(code)

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lit_parallel import _compat
 from lit_parallel.reliability import DebugLevel, PreemptionSignal, ReliabilityOptions
+from lit_parallel.reliability.async_checkpoints import AsyncCheckpoint
 from lit_parallel.reliability.options import check_stall_timeout_fits
 from lit_parallel.reliability.stall import StallTimeout
 
@@ -98,7 +99,7 @@ def check_backend(value: Any) -> None:
 class CommonArguments:
     """The arguments every lit_parallel strategy takes, each with one name, default and meaning: the process
     group's backend and collective timeout, the reliability options
-    (:class:`~lit_parallel.reliability.ReliabilityOptions`) and ``auto_resume``.
+    (:class:`~lit_parallel.reliability.ReliabilityOptions`, ``async_checkpoint`` among them) and ``auto_resume``.
 
     Every strategy's ``__init__`` still lists them, because LightningCLI and the docs read the signature
     (``tests/strategies/test_arguments.py`` holds each signature to these fields' defaults and annotations).
@@ -114,6 +115,7 @@ class CommonArguments:
     preemption_signal: PreemptionSignal = "auto"
     stall_timeout: StallTimeout = "auto"
     auto_resume: bool = False
+    async_checkpoint: AsyncCheckpoint = False
 
     def __post_init__(self) -> None:
         check_backend(self.process_group_backend)
@@ -155,6 +157,7 @@ class CommonArguments:
             watchdog=self.watchdog,
             preemption_signal=self.preemption_signal,
             stall_timeout=self.stall_timeout,
+            async_checkpoint=self.async_checkpoint,
         )
 
 

@@ -49,6 +49,7 @@ from lit_parallel.planner.rules import (
     pipeline_plan_for,
 )
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
+from lit_parallel.reliability.async_checkpoints import AsyncCheckpoint
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.rng import capture_rng_state, restore_rng_state
 from lit_parallel.strategies.arguments import CommonArguments, checked_argument_names, unknown_argument
@@ -106,9 +107,10 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
             ``{"fsdp_blocks": {"activation_checkpointing": True}, "ddp_tuned": {"comm_hook": "fp16"}}``.
             Checked when this strategy is built, by building each named strategy once (no process group).
         process_group_backend, timeout, debug_level, watchdog, preemption_signal, stall_timeout,
-            auto_resume: as in every candidate strategy (process group backend and timeout, collective
-            checks, ending every rank when one fails, the preemption signal, stall reports, resuming from the
-            newest complete checkpoint), passed to the chosen one.
+            auto_resume, async_checkpoint: as in every candidate strategy (process group backend and timeout,
+            collective checks, ending every rank when one fails, the preemption signal, stall reports, resuming
+            from the newest complete checkpoint, checkpoints written in the background), passed to the chosen
+            one.
 
     The memory accounting follows the Trainer's ``precision`` (mixed precision: 2 + 2 + 12 bytes per
     parameter; ``"32-true"``: 4 + 4 + 8; ``"bf16-true"`` / ``"16-true"``: 2 + 2 + 4).
@@ -129,6 +131,7 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
         preemption_signal: PreemptionSignal = "auto",
         stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
+        async_checkpoint: AsyncCheckpoint = False,
     ) -> None:
         if memory_gb is not None and (
             isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0

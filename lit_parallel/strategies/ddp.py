@@ -32,6 +32,7 @@ from lit_parallel.parallel.ddp.buckets import (
 )
 from lit_parallel.parallel.ddp.comm_hooks import build_comm_hook, validate_comm_hook
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
+from lit_parallel.reliability.async_checkpoints import AsyncCheckpoint
 from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import CommonArguments, check_bool
@@ -125,6 +126,10 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
         auto_resume: ``fit`` without ``ckpt_path`` resumes from the newest complete checkpoint in the
             ModelCheckpoint folders and ``default_root_dir`` (an incomplete newer one is skipped and reported);
             for restarts (``torchrun --max-restarts``, a requeued job). Default ``False``.
+        async_checkpoint: ``True``: a save holds training only while the state is copied to host memory; the
+            write runs in the background, committed only when complete (see
+            :mod:`~lit_parallel.reliability.async_checkpoints`). ``"auto"``: in the background when the first
+            save took longer than a few training steps. Default ``False``.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (e.g. ``init_sync``,
             ``skip_all_reduce_unused_params``) or to Lightning's ``DDPStrategy`` (``ddp_comm_hook``,
             ``ddp_comm_state``, ``ddp_comm_wrapper``, ``model_averaging_period``). Checked when the strategy is
@@ -166,6 +171,7 @@ class TunedDDPStrategy(ReliableTrainingMixin, DDPStrategy):
         preemption_signal: PreemptionSignal = "auto",
         stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
+        async_checkpoint: AsyncCheckpoint = False,
         **kwargs: Any,
     ) -> None:
         tuning = dict(

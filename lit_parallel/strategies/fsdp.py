@@ -44,6 +44,7 @@ from lit_parallel.parallel.mesh import ParallelDims
 from lit_parallel.parallel.parallelize import ParallelizeConfig, parallelize
 from lit_parallel.plugins.precision.fsdp import FSDPHalfPrecision, FSDPPrecision, fsdp_precision
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
+from lit_parallel.reliability.async_checkpoints import AsyncCheckpoint
 from lit_parallel.reliability.checkpoints import load_sharded_checkpoint, save_sharded_checkpoint
 from lit_parallel.reliability.resume import install_auto_resume
 from lit_parallel.reliability.stall import StallTimeout
@@ -147,6 +148,10 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         auto_resume: ``fit`` without ``ckpt_path`` resumes from the newest complete checkpoint in the
             ModelCheckpoint folders and ``default_root_dir`` (an incomplete newer one is skipped and reported);
             for restarts (``torchrun --max-restarts``, a requeued job). Default ``False``.
+        async_checkpoint: ``True``: a save holds training only while the state is copied to host memory; the
+            write runs in the background, committed only when complete (see
+            :mod:`~lit_parallel.reliability.async_checkpoints`). ``"auto"``: in the background when the first
+            save took longer than a few training steps. Default ``False``.
 
     Checkpoints hold every rank's RNG states (resume is bitwise exact, dropout included), are written under a
     temporary name and renamed into place when complete (DCP's ``.metadata`` written last), and load without
@@ -180,6 +185,7 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         preemption_signal: PreemptionSignal = "auto",
         stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
+        async_checkpoint: AsyncCheckpoint = False,
     ) -> None:
         _check_arguments(
             block_types=block_types,

@@ -49,6 +49,7 @@ from lit_parallel.parallel.tensor_parallel import plan_from_spec
 from lit_parallel.plugins.precision.fsdp import FSDPHalfPrecision
 from lit_parallel.plugins.precision.pipeline import PipelineClipping, PipelineHalfPrecision, PipelinePrecision
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
+from lit_parallel.reliability.async_checkpoints import AsyncCheckpoint
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import CommonArguments, checked_argument_names
 from lit_parallel.strategies.fsdp import TransformerFSDPStrategy
@@ -104,7 +105,8 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
             meta device in ``configure_model``: each rank then materialises only its own stages (modules'
             ``reset_parameters`` draw the random numbers of a whole-model initialisation).
         block_types, reshard_after_forward, mixed_precision, activation_checkpointing, process_group_backend,
-        timeout, debug_level, watchdog, preemption_signal, stall_timeout, auto_resume: as in ``fsdp_blocks``.
+        timeout, debug_level, watchdog, preemption_signal, stall_timeout, auto_resume, async_checkpoint: as
+            in ``fsdp_blocks``.
 
     Checkpoints are always distributed (DCP, each rank its stages' shards, state-dict keys of the whole
     model): they load under any pipeline size and under the other strategies, and back.
@@ -136,6 +138,7 @@ class PipelineParallelStrategy(TransformerFSDPStrategy):
         preemption_signal: PreemptionSignal = "auto",
         stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
+        async_checkpoint: AsyncCheckpoint = False,
     ) -> None:
         check_size("pipeline_parallel_size", pipeline_parallel_size)
         check_size("microbatches", microbatches)

@@ -44,8 +44,11 @@ class ReliableStrategyMixin:
 
     @override
     def teardown(self) -> None:
-        super().teardown()
-        self.reliability.teardown()
+        try:
+            self.reliability.finish_checkpoints()  # fit returns after the pending background writes
+        finally:
+            super().teardown()
+            self.reliability.teardown()
 
 
 class ReliableTrainingMixin(ReliableStrategyMixin):

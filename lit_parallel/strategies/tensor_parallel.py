@@ -33,6 +33,7 @@ from lit_parallel.parallel.parallelize import parallelize
 from lit_parallel.parallel.rank_bytes import describe_parameter_bytes
 from lit_parallel.parallel.tensor_parallel import PlanSpec, TPPlan, plan_from_spec
 from lit_parallel.reliability import DebugLevel, PreemptionSignal
+from lit_parallel.reliability.async_checkpoints import AsyncCheckpoint
 from lit_parallel.reliability.checkpoints import TP_LAYOUT_KEY
 from lit_parallel.reliability.stall import StallTimeout
 from lit_parallel.strategies.arguments import CommonArguments, checked_argument_names
@@ -100,7 +101,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
             ``fsdp_blocks``.
         reshard_after_forward, mixed_precision, activation_checkpointing, compile, init_from,
         save_distributed_checkpoint, process_group_backend, timeout, debug_level, watchdog,
-            preemption_signal, stall_timeout, auto_resume: as in ``fsdp_blocks``.
+            preemption_signal, stall_timeout, auto_resume, async_checkpoint: as in ``fsdp_blocks``.
 
     The plan (module -> style, replicated layers with the reason, adjusted head-count attributes) and
     the parameter bytes per rank are logged on rank 0; the plan is kept as ``strategy.tp_plan``. With
@@ -137,6 +138,7 @@ class TensorParallelStrategy(TransformerFSDPStrategy):
         preemption_signal: PreemptionSignal = "auto",
         stall_timeout: StallTimeout = "auto",
         auto_resume: bool = False,
+        async_checkpoint: AsyncCheckpoint = False,
     ) -> None:
         _check_arguments(
             data_parallel_size,

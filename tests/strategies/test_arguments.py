@@ -269,6 +269,12 @@ COMMON_TAKEN = [
     ("preemption_signal", "SIGUSR2", lambda s: s.reliability.options.preemption_signal, signal.SIGUSR2),
     ("stall_timeout", 42, lambda s: s.reliability.options.stall_timeout, 42.0),
     ("auto_resume", True, lambda s: s.auto_resume, True),
+    (
+        "async_checkpoint",
+        "auto",
+        lambda s: (s.reliability.options.async_checkpoint, s.reliability.checkpoints.setting),
+        ("auto", "auto"),
+    ),
 ]
 # each common argument: a wrong value and the start of the error, which names the value
 COMMON_REFUSED = [
@@ -279,6 +285,7 @@ COMMON_REFUSED = [
     ("preemption_signal", "SIGNOPE", "preemption_signal='SIGNOPE' is not a signal name"),
     ("stall_timeout", "soon", "stall_timeout='soon' must be 'auto'"),
     ("auto_resume", "yes", "auto_resume='yes' must be True or False"),
+    ("async_checkpoint", "yes", "async_checkpoint='yes' must be True (write checkpoints in the background"),
 ]
 
 
@@ -296,6 +303,7 @@ def test_every_strategy_defaults_to_the_common_defaults(cls):
         strategy.reliability.timeout == CommonArguments().timeout and not strategy.reliability.timeout_given
     )
     assert strategy.auto_resume is False
+    assert strategy.reliability.checkpoints is None  # synchronous saves unless asked
 
 
 @pytest.mark.parametrize("cls", ALL_STRATEGIES, ids=lambda cls: cls.__name__)
