@@ -178,8 +178,12 @@ class BackgroundWriter:
 
     def after_writes(self, action: Callable[[], None], what: str) -> bool:
         """Queue ``action`` behind every write queued so far; ``False`` (nothing queued) when no write is
-        pending, and the caller runs it itself."""
+        pending, and the caller runs it itself. Dropped (``True``, never run) while a failed write's error has
+        not been taken: a deletion or link must not follow a checkpoint that was not written."""
         with self._done:
+            if self._failure is not None:  # a write failed (not yet raised): what follows it is dropped
+                self.dropped.append(what)
+                return True
             if not self._writes_pending():
                 return False
             self._jobs.append(_Job("after", action, what))

@@ -178,7 +178,8 @@ class AsyncCheckpoints:
         return self.writer.after_writes(action, what)
 
     def pending(self, destination: Any) -> bool:
-        return str(destination) in self.writer.pending_writes()
+        """Whether ``destination``'s write is queued or running, or failed without being raised yet."""
+        return str(destination) in self.writer.pending_writes() or self.writer.failed_write == str(destination)
 
     def process_group(self) -> Any:
         """The gloo group the background DCP writes use, created at the first one (a collective: every rank

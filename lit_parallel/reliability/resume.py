@@ -160,14 +160,44 @@ def newest_complete_checkpoint(
     """The newest checkpoint in ``folders`` that :func:`~lit_parallel.checkpoint.load.verify_checkpoint` finds
     complete, and the newer ones skipped with the reason (truncated, missing files, not a checkpoint)."""
     skipped: list[tuple[Path, str]] = []
+    chosen = None
     for path in checkpoint_candidates(folders, extensions):
         try:
             verify_checkpoint(path)
         except (IncompleteCheckpointError, NotACheckpointError, UnsafeCheckpointError, OSError) as err:
             skipped.append((path, str(err)))
             continue
-        return path, skipped
-    return None, skipped
+        chosen = path
+        break
+    return chosen, skipped + _interrupted_saves(folders, newer_than=chosen)
+
+
+def _interrupted_saves(folders: Iterable[str | Path], newer_than: Path | None) -> list[tuple[Path, str]]:
+    """Saves that never committed (a process killed during a write, synchronous or in the background), newer
+    than ``newer_than``: never candidates, reported so that a user knows the newest checkpoint is not there."""
+    try:
+        since = newer_than.stat().st_mtime_ns if newer_than is not None else -1
+    except OSError:
+        since = -1
+    found = []
+    for folder in dict.fromkeys(Path(f) for f in folders):
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            try:
+                mtime = entry.stat().st_mtime_ns
+            except OSError:
+                continue
+            if entry.name.startswith(PARTIAL_PREFIX) and mtime > since:
+                found.append((mtime, entry))
+    return [
+        (
+            entry,
+            f"{str(entry)!r} is an interrupted save: written under a temporary name and never committed (the"
+            " process ended during its write), so it holds no complete checkpoint; it may be deleted",
+        )
+        for _, entry in sorted(found, reverse=True)
+    ]
 
 
 def _search_folders(trainer: pl.Trainer) -> tuple[list[str], list[str]]:

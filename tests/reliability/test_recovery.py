@@ -119,7 +119,17 @@ def test_random_bytes_partial_saves_other_files_and_missing_folders_are_never_ch
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     chosen, skipped = newest_complete_checkpoint([tmp_path / "missing", tmp_path, tmp_path])
     assert chosen == good
-    assert [p for p, _ in skipped] == [junk] and "is not a checkpoint" in skipped[0][1]
+    assert [p for p, _ in skipped] == [junk, partial] and "is not a checkpoint" in skipped[0][1]
+    # an interrupted save is reported by name, never chosen
+    assert "interrupted save" in skipped[1][1] and partial.name in skipped[1][1]
+
+
+def test_an_interrupted_save_older_than_the_chosen_checkpoint_is_not_reported(tmp_path):
+    partial = tmp_path / f"{PARTIAL_PREFIX}old.tmp"
+    partial.write_bytes(b"PK half")
+    os.utime(partial, ns=(1_000_000_000, 1_000_000_000))
+    good = _save(tmp_path / "step=2.ckpt", 2_000_000_000)
+    assert newest_complete_checkpoint([tmp_path]) == (good, [])
 
 
 def test_a_sharded_folder_without_its_index_is_skipped(tmp_path):

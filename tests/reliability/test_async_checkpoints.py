@@ -1,0 +1,320 @@
+"""Asynchronous checkpoints (``async_checkpoint=True``): the same training and the same guarantees as
+synchronous saves, for every strategy.
+
+One launch (torchrun, 2 ranks, ``--max-restarts=5``; tests/scenarios/async_checkpoints.py): per strategy, a
+rank killed with SIGKILL during the background write of ``step=4.ckpt``, then the restarted attempt resuming
+from ``last.ckpt``; the last attempt runs the uninterrupted references. In-process tests (a one-rank Trainer,
+the writer thread, a full disk injected into the write) and unit tests of the writer need no launch.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lit_parallel as lp
+from lit_parallel.checkpoint.background import BackgroundWriter, HostCopy
+from lit_parallel.checkpoint.load import verify_checkpoint
+from lit_parallel.checkpoint.write import CheckpointWriteError, atomic_save
+from lit_parallel.reliability.async_checkpoints import check_async_checkpoint
+from lit_parallel.reliability.stall import WARMUP_STEPS
+from tests.harness import launch
+from tests.scenarios.async_checkpoints import KILLED_SAVE, LAST_ATTEMPT, LINKED, STRATEGIES
+
+SC = "tests.scenarios.async_checkpoints"
+
+
+def _bitwise_state(got: dict, expected: dict, what: str) -> None:
+    assert set(got) == set(expected), f"{what}: keys differ"
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), f"{what}: {k} is not bitwise equal"
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async_checkpoints")
+    data = root / "data"
+    data.mkdir()
+    res = launch(
+        f"{SC}:async_recover_after_kill",
+        2,
+        root,
+        args={"dir": str(data)},
+        timeout=1100,
+        max_restarts=LAST_ATTEMPT,
+        worker_group=False,
+    )
+    return res, data
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_an_asynchronous_run_trains_and_resumes_bitwise_as_a_synchronous_one(killed, name):
+    res, _ = killed
+    outs = [r[name]["reference"] for r in res.scenario("async_recover_after_kill")]
+    for rank, ref in enumerate(outs):
+        # saving in the background changes nothing in training: losses equal, step by step
+        assert ref["async"]["losses"] == ref["sync"]["losses"], f"rank {rank}"
+        # resumed from the asynchronously written step=4 checkpoint: the rest of the same curve
+        assert ref["resumed"]["losses"] == ref["sync"]["losses"][4:], f"rank {rank}"
+        assert ref["async"]["pending_after_fit"] == []  # fit returned after every write
+    ref = outs[0]
+    _bitwise_state(ref["async"]["model"], ref["sync"]["model"], f"{name}: asynchronous run")
+    _bitwise_state(ref["resumed"]["model"], ref["sync"]["model"], f"{name}: resumed from step=4")
+    # every save committed, in order; top-1 kept the newest; nothing left under a temporary name
+    every = ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt", "step=8.ckpt"]
+    assert ref["async"]["every"] == every
+    folder = ref["async"]["folder"]
+    assert folder["names"] == ["last.ckpt", "step=8.ckpt"] and folder["partials"] == []
+    if name in LINKED:
+        assert folder["last_link"] == "step=8.ckpt"
+    written = ref["async"]["written"]
+    assert sorted(set(written)) == sorted(
+        {*every, "step=2.ckpt", "last.ckpt"} - ({"last.ckpt"} if name in LINKED else set())
+    )
+    # one host copy allocated for the whole run (the optimizer state exists from the first save on)
+    assert ref["async"]["host_allocations"] == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint_and_resumes_bitwise(
+    killed, name
+):
+    res, data = killed
+    outs = [r[name] for r in res.scenario("async_recover_after_kill")]
+    assert [r["attempt"] for r in res.scenario("async_recover_after_kill")] == [LAST_ATTEMPT] * 2
+    index = STRATEGIES.index(name)
+    for rank, out in enumerate(outs):
+        sync = out["reference"]["sync"]
+        (trained,) = out["trained"]  # the attempt after the kill trained this strategy, and only it
+        assert trained["attempt"] == index + 1, (rank, trained["attempt"])
+        assert trained["resumed_from"].endswith(f"{name}/last.ckpt")
+        # what the killed write left: step=2 whole (its deletion waited behind the write), last -> step=2,
+        # and step=4 only under its temporary name
+        before = trained["folder_before"]
+        assert before["names"] == ["last.ckpt", "step=2.ckpt"], before
+        assert len(before["partials"]) == 1, before
+        if name in LINKED:
+            assert before["last_link"] == "step=2.ckpt"
+        # resumed from step 2: the rest of the uninterrupted curve
+        assert trained["losses"] == sync["losses"][2:], f"rank {rank}: losses differ"
+    _bitwise_state(outs[0]["model"], outs[0]["reference"]["sync"]["model"], f"{name} final parameters")
+    # the partial write of step=4 is never taken for a checkpoint
+    assert not (data / name / KILLED_SAVE / ".metadata").exists() or verify_checkpoint(
+        data / name / KILLED_SAVE
+    )
+
+
+# --- one rank, in process: a full disk during the background write -----------------------------------------
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _data():
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+
+def _trainer(tmp_path, callbacks, **strategy_kwargs):
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=lp.TunedDDPStrategy(**strategy_kwargs),
+        max_steps=8,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+    )
+
+
+def _top1(folder):
+    return ModelCheckpoint(
+        dirpath=folder,
+        filename="{step}",
+        every_n_train_steps=2,
+        save_top_k=1,
+        monitor="step",
+        mode="max",
+        save_last="link",
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_during_a_background_write_fails_the_run_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
+    import builtins
+
+    folder = tmp_path / "ckpt"
+    real_open = builtins.open
+
+    def full_disk_at_step_4(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        # the lowest write call from Python on the writer thread (Lightning's file system layer writes the
+        # file under a temporary name of its own, then moves it)
+        if (
+            "w" in mode
+            and threading.current_thread().name == BackgroundWriter().name
+            and (folder / "step=2.ckpt").exists()
+        ):
+            handle.write(b"PK\x03\x04 half")
+            handle.close()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        return handle
+
+    torch.manual_seed(0)
+    model = _Tiny()
+    trainer = _trainer(tmp_path, [_top1(folder)], async_checkpoint=True)
+    monkeypatch.setattr(builtins, "open", full_disk_at_step_4)
+    with pytest.raises(CheckpointWriteError, match="the disk is full") as info:
+        trainer.fit(model, _data())
+    monkeypatch.undo()
+    assert any("written in the background" in note for note in getattr(info.value, "__notes__", []))
+    # the failed write of step=4 removed its partial; its deletion of step=2 and the link were dropped
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step=2.ckpt"]
+    assert os.readlink(folder / "last.ckpt") == "step=2.ckpt"
+    assert verify_checkpoint(folder / "step=2.ckpt") == "file"
+    # resuming from it continues the uninterrupted curve bitwise
+    torch.manual_seed(0)
+    reference = _Tiny()
+    _trainer(tmp_path / "ref", []).fit(reference, _data())
+    resumed = _Tiny()
+    _trainer(tmp_path / "resumed", []).fit(resumed, _data(), ckpt_path=folder / "last.ckpt")
+    assert resumed.losses == reference.losses[2:]
+    _bitwise_state(resumed.state_dict(), reference.state_dict(), "resumed after a full disk")
+
+
+@pytest.mark.timeout(120)
+def test_auto_turns_background_writes_on_when_a_save_takes_longer_than_a_few_steps(tmp_path, monkeypatch):
+    from lit_parallel.reliability import async_checkpoints
+
+    slow = {"s": 0.0}
+    real = async_checkpoints.AsyncCheckpoints.after_synchronous_save
+
+    def measured(self, seconds, steps, state):
+        return real(self, seconds + slow["s"], steps, state)
+
+    monkeypatch.setattr(async_checkpoints.AsyncCheckpoints, "after_synchronous_save", measured)
+    decisions = {}
+    for label, extra in (("fast", 0.0), ("slow", 3600.0)):
+        slow["s"] = extra
+        trainer = _trainer(tmp_path / label, [_top1(tmp_path / label / "ckpt")], async_checkpoint="auto")
+        trainer.fit(_Tiny(), _data())
+        checkpoints = trainer.strategy.reliability.checkpoints
+        decisions[label] = (checkpoints.use_async(), [Path(d).name for d, _ in checkpoints.writer.completed])
+    assert decisions["fast"] == (False, [])  # every save synchronous
+    # step 2 comes before any timed step (the first WARMUP_STEPS steps are not timed: compilation, wrapping);
+    # the save at step 4 is synchronous and timed; the later ones run in the background
+    assert WARMUP_STEPS == 2
+    assert decisions["slow"][0] is True and decisions["slow"][1] == ["step=6.ckpt", "step=8.ckpt"]
+
+
+# --- units: the host copy and the writer -------------------------------------------------------------------
+
+
+def test_async_checkpoint_accepts_true_false_and_auto_only():
+    assert [check_async_checkpoint(v) for v in (True, False, "auto")] == [True, False, "auto"]
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=rf"async_checkpoint={bad!r} must be True"):
+            check_async_checkpoint(bad)
+
+
+def test_the_host_copy_is_a_snapshot_reused_while_the_layout_holds():
+    weight = torch.randn(4, 4)
+    state = {"model": {"w": weight, "step": torch.tensor(3)}, "epoch": 1, "names": ["a"]}
+    copy = HostCopy()
+    staged = copy.stage(state)
+    snapshot = weight.clone()
+    weight.add_(1.0)  # training goes on: the copy keeps the saved values
+    assert torch.equal(staged["model"]["w"], snapshot) and staged["epoch"] == 1
+    assert not copy.unchanged(state)
+    state["epoch"] = 2
+    state["names"][0] = "b"
+    again = copy.stage(state)
+    assert again["model"]["w"] is staged["model"]["w"] and torch.equal(again["model"]["w"], weight)
+    # other values are copied too: the first save's stay as they were
+    assert (again["epoch"], again["names"], staged["epoch"], staged["names"]) == (2, ["b"], 1, ["a"])
+    assert copy.allocations == 1 and copy.nbytes == 16 * 4 + 8
+    assert copy.unchanged(state) and copy.reuse(state)["model"]["w"] is staged["model"]["w"]
+    state["model"]["w"] = torch.randn(2, 2)  # a new layout: a new copy
+    copy.stage(state)
+    assert copy.allocations == 2 and copy.nbytes == 4 * 4 + 8
+
+
+def test_the_writer_runs_writes_in_order_and_drops_what_follows_a_failed_write(tmp_path):
+    writer = BackgroundWriter()
+    gate = threading.Event()
+    order = []
+    writer.submit(lambda: (gate.wait(5), order.append("first")), "first")
+    assert writer.after_writes(lambda: order.append("after first"), "remove old")
+    assert writer.pending_writes() == ["first"]
+    gate.set()
+    assert writer.wait(5) and order == ["first", "after first"]
+    assert not writer.after_writes(lambda: None, "nothing pending")  # the caller runs it itself
+
+    def fail():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer.submit(fail, "second")
+    writer.after_writes(lambda: order.append("must not run"), "remove the previous checkpoint")
+    assert writer.wait(5)
+    assert writer.dropped == ["remove the previous checkpoint"] and "must not run" not in order
+    assert writer.failed_write == "second"
+    failure = writer.take_failure()
+    assert isinstance(failure, OSError) and writer.take_failure() is None
+    assert [d for d, _ in writer.completed] == ["first"]
+
+
+def test_waiting_for_a_write_is_bounded_when_asked():
+    writer = BackgroundWriter()
+    release = threading.Event()
+    writer.submit(lambda: release.wait(10), "slow")
+    started = time.monotonic()
+    assert writer.wait_for_writes(0.2) is False
+    assert time.monotonic() - started < 2
+    release.set()
+    assert writer.wait_for_writes(5) is True
+
+
+def test_a_background_single_file_write_commits_only_when_complete(tmp_path):
+    target = tmp_path / "step=2.ckpt"
+    writer = BackgroundWriter()
+    gate = threading.Event()
+
+    def write(tmp):
+        torch.save({"v": 1}, tmp)
+        gate.wait(5)
+
+    writer.submit(lambda: atomic_save(write, target), str(target))
+    time.sleep(0.2)
+    assert not target.exists()  # written under a temporary name until complete
+    assert [p.name.startswith(".lit_parallel_partial_") for p in tmp_path.iterdir()] == [True]
+    gate.set()
+    assert writer.wait(5) and verify_checkpoint(target) == "file"
+    assert torch.load(target, weights_only=True) == {"v": 1}
