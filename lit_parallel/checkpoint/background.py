@@ -50,95 +50,109 @@ def _items(obj: Any) -> list[tuple[Any, Any]]:
     return list(obj.items()) if isinstance(obj, dict) else list(enumerate(obj))
 
 
-def _describe(obj: Any, path: str, layout: list, fingerprint: list) -> None:
-    """The tensors of a nested state in order: their place, shape and dtype (``layout``), and their storage
-    and version counter (``fingerprint``: unchanged only if no tensor was replaced or modified in place)."""
+def _leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
+    """The tensors of a nested state (dicts, lists, tuples), each with its place in it."""
     if isinstance(obj, torch.Tensor):
-        local = _local(obj)
-        layout.append((path, type(obj).__name__, tuple(obj.shape), tuple(local.shape), obj.dtype))
-        fingerprint.append((local.data_ptr(), local._version, local.device.type))
-    elif _is_container(obj):
-        layout.append((path, type(obj).__name__, len(obj)))
-        for key, value in _items(obj):
-            _describe(value, f"{path}/{key!r}", layout, fingerprint)
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        local = _local(obj)
-        return local.numel() * local.element_size()
+        return [(path, obj)]
     if _is_container(obj):
-        return sum(_nbytes(v) for _, v in _items(obj))
-    return 0
+        return [leaf for key, value in _items(obj) for leaf in _leaves(value, (*path, key))]
+    return []
+
+
+def _kind(tensor: torch.Tensor) -> tuple:
+    local = _local(tensor)
+    return (type(tensor).__name__, tuple(tensor.shape), tuple(local.shape), tensor.dtype)
+
+
+def _fingerprint(leaves: list[tuple[tuple, torch.Tensor]]) -> list:
+    """Each tensor's place, kind, storage and version counter: unchanged only if no tensor was replaced or
+    modified in place since."""
+    out = []
+    for path, tensor in leaves:
+        local = _local(tensor)
+        out.append((path, _kind(tensor), local.data_ptr(), local._version, local.device.type))
+    return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
 
 
 def state_nbytes(state: Any) -> int:
     """The bytes of this process's tensors in a nested state (a DTensor counts its local shard)."""
-    return _nbytes(state)
+    return sum(_nbytes(t) for _, t in _leaves(state))
 
 
-def _fill(state: Any, buffers: Any, copy_tensors: bool, non_blocking: bool) -> Any:
+def _fill(
+    state: Any, buffers: dict[tuple, torch.Tensor], copy_tensors: bool, non_blocking: bool, path=()
+) -> Any:
     """``state`` with every tensor replaced by its buffer (copied into first when ``copy_tensors``) and every
-    other leaf deep-copied (training may change a callback's state after the save returned)."""
+    other value deep-copied (training may change a callback's state after the save returned)."""
     if isinstance(state, torch.Tensor):
+        buffer = buffers[path]
         if copy_tensors:
             with torch.no_grad():
-                _local(buffers).copy_(_local(state), non_blocking=non_blocking)
-        return buffers
+                _local(buffer).copy_(_local(state), non_blocking=non_blocking)
+        return buffer
     if _is_container(state):
         if isinstance(state, dict):
-            out = {
-                key: _fill(value, buffers[key], copy_tensors, non_blocking) for key, value in state.items()
-            }
+            out = {k: _fill(v, buffers, copy_tensors, non_blocking, (*path, k)) for k, v in state.items()}
             return collections.OrderedDict(out) if isinstance(state, collections.OrderedDict) else out
-        values = [_fill(v, b, copy_tensors, non_blocking) for v, b in zip(state, buffers)]
+        values = [_fill(v, buffers, copy_tensors, non_blocking, (*path, i)) for i, v in enumerate(state)]
         return tuple(values) if isinstance(state, tuple) else values
     return copy.deepcopy(state)
 
 
 class HostCopy:
-    """One process's host copy of a nested state (dicts, lists, tuples; tensors and DTensors; other values),
-    allocated at the first save and reused while the state keeps its layout (a new layout, e.g. optimizer
-    state that appeared after the first step, allocates anew). ``pin_memory``: page-locked host memory, for
-    fast device-to-host copies on CUDA."""
+    """One process's host copy of a nested state (dicts, lists, tuples; tensors and DTensors; other values).
+
+    Each tensor's buffer is allocated at the first save that holds a tensor of that kind at that place and
+    reused by every later save (a tensor that appears, e.g. optimizer state after the first step or a
+    callback's new score, gets a buffer of its own; one that is gone frees its buffer). ``pin_memory``:
+    page-locked host memory, for fast device-to-host copies on CUDA."""
 
     def __init__(self, pin_memory: bool = False) -> None:
         self.pin_memory = pin_memory
-        self.nbytes = 0  # bytes of the copy's tensors
-        self.allocations = 0  # times the copy was allocated
-        self._buffers: Any = None
-        self._layout: list | None = None
+        self.nbytes = 0  # bytes of the copy's tensors now
+        self.allocated_bytes = 0  # bytes allocated over all saves (nbytes when every save reused the copy)
+        self._buffers: dict[tuple, torch.Tensor] = {}
         self._fingerprint: list | None = None
 
     def unchanged(self, state: Any) -> bool:
-        """Whether the copy already holds ``state``: the same layout, and every tensor the same storage with
-        no in-place change since it was copied."""
-        layout: list = []
-        fingerprint: list = []
-        _describe(state, "", layout, fingerprint)
-        return self._fingerprint is not None and layout == self._layout and fingerprint == self._fingerprint
+        """Whether the copy already holds ``state``: the same tensors at the same places, each with the same
+        storage and no in-place change since it was copied."""
+        return self._fingerprint is not None and _fingerprint(_leaves(state)) == self._fingerprint
 
     def stage(self, state: Any) -> Any:
         """Copy ``state`` into host memory and return the copy (a structure like ``state`` whose tensors are
         the reused buffers). The caller makes sure no write still reads the previous copy."""
-        layout: list = []
-        fingerprint: list = []
-        _describe(state, "", layout, fingerprint)
-        if layout != self._layout:
-            self._buffers = None  # the old copy's memory goes before the new one is allocated
-            self._buffers = _compat.create_host_state_dict(state, pin_memory=self.pin_memory)
-            self._layout, self.nbytes = layout, _nbytes(self._buffers)
-            self.allocations += 1
+        leaves = _leaves(state)
+        buffers: dict[tuple, torch.Tensor] = {}
+        for path, tensor in leaves:
+            buffer = self._buffers.get(path)
+            if buffer is None or _kind(buffer) != _kind(tensor):
+                buffer = _compat.create_host_state_dict({"t": tensor}, pin_memory=self.pin_memory)["t"]
+                if buffer is tensor:  # torch hands a 0-dim DTensor back as it is: a copy of its own
+                    buffer = tensor.detach().to("cpu", copy=True)
+                self.allocated_bytes += _nbytes(buffer)
+            buffers[path] = buffer
+        self._buffers = buffers  # buffers of tensors that are gone are freed
+        self.nbytes = sum(_nbytes(b) for b in buffers.values())
         non_blocking = self.pin_memory and torch.cuda.is_available()
-        staged = _fill(state, self._buffers, copy_tensors=True, non_blocking=non_blocking)
+        staged = _fill(state, buffers, copy_tensors=True, non_blocking=non_blocking)
         if non_blocking:
             torch.cuda.synchronize()  # the writer thread reads the copy: every copy into it has landed
-        self._fingerprint = fingerprint
+        self._fingerprint = _fingerprint(leaves)
         return staged
 
     def reuse(self, state: Any) -> Any:
         """The copy as it is, with ``state``'s other values: for a state :meth:`unchanged` accepts."""
         return _fill(state, self._buffers, copy_tensors=False, non_blocking=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The copy's tensors (a DTensor's local shard), e.g. to check that they are pinned."""
+        return [_local(b) for b in self._buffers.values()]
 
     def forget(self) -> None:
         """Mark the copy as not holding any state (after a failed copy)."""

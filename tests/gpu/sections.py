@@ -343,6 +343,76 @@ def save_resume(where: Where) -> dict:
     return out
 
 
+def async_save(where: Where) -> dict:
+    """``async_checkpoint=True`` on the device: the host copy is page-locked (CUDA) and reused, the time a
+    save holds training (the copy) against a synchronous save of the same state, and a resume from the
+    background-written checkpoint continues the uninterrupted losses."""
+    import time
+
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    class SaveTimes(Callback):
+        def __init__(self):
+            self.seconds: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            path = where.tmp / f"timed_{type(trainer.strategy).__name__}_{batch_idx}.ckpt"
+            if where.cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            trainer.save_checkpoint(path)
+            self.seconds.append(time.perf_counter() - started)
+
+    cfg, b = where.config(), where.batch_size()
+    out = {}
+    for name in ("ddp_tuned", "fsdp_blocks"):
+        data = loader(cfg, 6 * b, b)
+        full = GPTModule(cfg)
+        trainer(where, strategy=make_strategy(name), max_steps=6).fit(full, data)
+        timed = {}
+        for label, setting in (("sync", False), ("async", True)):
+            times = SaveTimes()
+            t = trainer(
+                where, strategy=make_strategy(name, async_checkpoint=setting), max_steps=4, callbacks=[times]
+            )
+            t.fit(GPTModule(cfg), data)
+            timed[label] = median(times.seconds[1:])  # the first save allocates the host copy
+            if setting:
+                checkpoints = t.strategy.reliability.checkpoints
+                copies = checkpoints.host.tensors()
+                pinned = all(x.is_pinned() for x in copies if x.numel()) if where.cuda else None
+                assert pinned in (True, None), "the host copy is not page-locked"
+                host = checkpoints.host
+                assert host.allocated_bytes - host.nbytes < 1024, (host.allocated_bytes, host.nbytes)
+                host_bytes = checkpoints.host.nbytes
+        ckpt_dir = where.tmp / f"async_{name}"
+        first = GPTModule(cfg)
+        save = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=3)
+        trainer(
+            where,
+            strategy=make_strategy(name, async_checkpoint=True),
+            max_steps=3,
+            enable_checkpointing=True,
+            callbacks=[save],
+        ).fit(first, data)
+        second = GPTModule(cfg, seed=99)
+        trainer(where, strategy=make_strategy(name), max_steps=6).fit(
+            second, data, ckpt_path=str(ckpt_dir / "last.ckpt")
+        )
+        resumed = first.loss_values() + second.loss_values()
+        worst = max(abs(x - y) / max(abs(y), 1e-6) for x, y in zip(resumed, full.loss_values()))
+        assert worst < 1e-4, f"{name}: resumed losses {resumed} vs uninterrupted {full.loss_values()}"
+        out[name] = {
+            "blocked_sync_s": timed["sync"],
+            "blocked_async_s": timed["async"],
+            "ratio": timed["async"] / timed["sync"] if timed["sync"] else None,
+            "host_copy_bytes": host_bytes,
+            "pinned": pinned,
+            "max_rel_diff": worst,
+        }
+    return out
+
+
 # --- the clipping norm's device and the RNG states of the rank's own device ------------------------------
 
 
@@ -566,6 +636,7 @@ SECTIONS: dict[str, Callable[[Where], dict]] = {
     "meta_init": meta_init,
     "compile_last_batch": compile_last_batch,
     "save_resume": save_resume,
+    "async_save": async_save,
     "gpu_tests": gpu_tests,
     "tokens_per_s": tokens_per_s,
 }

@@ -148,7 +148,8 @@ def _references(ctx, name: str, root: Path) -> dict:
     trainer(ctx, make_strategy(name)).fit(sync, loader())
     out["sync"] = {"model": _full_on_rank0(sync), "losses": sync.losses}
     folder = root / f"{name}_reference"
-    every = ModelCheckpoint(dirpath=folder / "every", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    kept = root / f"{name}_every_save"
+    every = ModelCheckpoint(dirpath=kept, filename="{step}", every_n_train_steps=2, save_top_k=-1)
     asynchronous = _model(name)
     _seed()
     t = trainer(
@@ -163,14 +164,17 @@ def _references(ctx, name: str, root: Path) -> dict:
         "model": _full_on_rank0(asynchronous),
         "losses": asynchronous.losses,
         "folder": _state_of(folder),
-        "every": sorted(p.name for p in (folder / "every").iterdir()),
+        "every": sorted(p.name for p in kept.iterdir()),
         "pending_after_fit": checkpoints.writer.pending_writes(),
         "written": [Path(d).name for d, _ in checkpoints.writer.completed],
-        "host_allocations": checkpoints.host.allocations if checkpoints.host is not None else 0,
+        # None on ddp_tuned's rank 1: only rank 0 writes the file, so only it holds a copy
+        "host": None
+        if checkpoints.host is None
+        else {"nbytes": checkpoints.host.nbytes, "allocated_bytes": checkpoints.host.allocated_bytes},
     }
     resumed = _model(name)
     _seed()
-    trainer(ctx, make_strategy(name)).fit(resumed, loader(), ckpt_path=folder / "every" / "step=4.ckpt")
+    trainer(ctx, make_strategy(name)).fit(resumed, loader(), ckpt_path=kept / "step=4.ckpt")
     out["resumed"] = {"model": _full_on_rank0(resumed), "losses": resumed.losses}
     return out
 
