@@ -61,7 +61,13 @@ def _leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
 
 def _kind(tensor: torch.Tensor) -> tuple:
     local = _local(tensor)
-    return (type(tensor).__name__, tuple(tensor.shape), tuple(local.shape), tensor.dtype)
+    return (isinstance(tensor, DTensor), tuple(tensor.shape), tuple(local.shape), tensor.dtype)
+
+
+def _same_tensor(tensor: torch.Tensor) -> tuple:
+    """What identifies a tensor's contents: its memory and view (tied weights are one tensor under two names)."""
+    local = _local(tensor)
+    return (local.device.type, local.data_ptr(), local.storage_offset(), tuple(local.stride()), _kind(tensor))
 
 
 def _fingerprint(leaves: list[tuple[tuple, torch.Tensor]]) -> list:
@@ -129,16 +135,27 @@ class HostCopy:
         the reused buffers). The caller makes sure no write still reads the previous copy."""
         leaves = _leaves(state)
         buffers: dict[tuple, torch.Tensor] = {}
+        shared: dict[
+            tuple, torch.Tensor
+        ] = {}  # one buffer per tensor however many names it has (tied weights)
         for path, tensor in leaves:
-            buffer = self._buffers.get(path)
-            if buffer is None or _kind(buffer) != _kind(tensor):
-                buffer = _compat.create_host_state_dict({"t": tensor}, pin_memory=self.pin_memory)["t"]
-                if buffer is tensor:  # torch hands a 0-dim DTensor back as it is: a copy of its own
-                    buffer = tensor.detach().to("cpu", copy=True)
-                self.allocated_bytes += _nbytes(buffer)
+            same = _same_tensor(tensor)
+            buffer = shared.get(same)
+            if buffer is None:
+                buffer = self._buffers.get(path)
+                if (
+                    buffer is None
+                    or _kind(buffer) != _kind(tensor)
+                    or any(b is buffer for b in shared.values())
+                ):
+                    buffer = _compat.create_host_state_dict({"t": tensor}, pin_memory=self.pin_memory)["t"]
+                    if buffer is tensor:  # torch hands a 0-dim DTensor back as it is: a copy of its own
+                        buffer = tensor.detach().to("cpu", copy=True)
+                    self.allocated_bytes += _nbytes(buffer)
+                shared[same] = buffer
             buffers[path] = buffer
         self._buffers = buffers  # buffers of tensors that are gone are freed
-        self.nbytes = sum(_nbytes(b) for b in buffers.values())
+        self.nbytes = sum(_nbytes(b) for b in {id(b): b for b in buffers.values()}.values())
         non_blocking = self.pin_memory and torch.cuda.is_available()
         staged = _fill(state, buffers, copy_tensors=True, non_blocking=non_blocking)
         if non_blocking:
@@ -151,8 +168,8 @@ class HostCopy:
         return _fill(state, self._buffers, copy_tensors=False, non_blocking=False)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The copy's tensors (a DTensor's local shard), e.g. to check that they are pinned."""
-        return [_local(b) for b in self._buffers.values()]
+        """The copy's tensors (a DTensor's local shard), each once, e.g. to check that they are pinned."""
+        return [_local(b) for b in {id(b): b for b in self._buffers.values()}.values()]
 
     def forget(self) -> None:
         """Mark the copy as not holding any state (after a failed copy)."""

@@ -407,3 +407,24 @@ def test_the_process_exits_normally_only_after_its_pending_write(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0 and done.stdout.strip() == "submitted", done.stderr
     assert torch.load(target, weights_only=True) == {"v": 2}
+
+
+def test_a_tensor_under_two_names_is_copied_once_as_torch_save_writes_it_once(tmp_path):
+    embedding = torch.nn.Embedding(100, 16)
+    head = torch.nn.Linear(16, 100, bias=False)
+    head.weight = embedding.weight  # tied weights: one tensor, two state-dict names
+    state = {
+        "state_dict": {
+            **{f"embed.{k}": v for k, v in embedding.state_dict().items()},
+            "head.weight": head.weight,
+        }
+    }
+    copy = HostCopy()
+    staged = copy.stage(state)
+    assert staged["state_dict"]["embed.weight"] is staged["state_dict"]["head.weight"]
+    assert copy.nbytes == copy.allocated_bytes == 100 * 16 * 4
+    torch.save(staged, tmp_path / "copy.pt")
+    torch.save(state, tmp_path / "live.pt")
+    # the tensor's bytes once in both files (a Parameter pickles a few more bytes than a tensor)
+    copied, live = (tmp_path / "copy.pt").stat().st_size, (tmp_path / "live.pt").stat().st_size
+    assert copied < 100 * 16 * 4 * 1.5 and abs(copied - live) < 256, (copied, live)
