@@ -70,14 +70,16 @@ def eight_ranks(tmp_path_factory) -> LaunchResult:
 
 
 # the advise planner's scenarios that run on real ranks (tests/scenarios/advise.py): the parts and costs its
-# --verify launch times (tests/planner/time/test_calibration.py), and the steps advise and lab measure, under
-# torch's memory tracker as well (tests/commands/advise/test_advise.py, tests/commands/test_lab.py)
+# --verify launch times (tests/planner/time/test_calibration.py), the steps advise and lab measure, under
+# torch's memory tracker as well (tests/commands/advise/test_advise.py, tests/commands/test_lab.py), and the
+# host copy of async_checkpoint=True under every strategy (tests/planner/memory/test_host_copy.py)
 ADVISE_SCENARIOS = (
     "slowest_rank_timing",
     "tp_all_reduces",
     "all_reduce_timer",
     "fsdp_cost_timer",
     "memory_with_torch_tracker",
+    "async_host_copy",
 )
 
 

@@ -25,6 +25,8 @@ class ModelSummary:
         expert_params: elements of every expert weight of its MoE layers (0 without MoE layers).
         experts_per_layer: the number of experts of each MoE layer, in module order.
         largest_block_expert_params: of ``largest_block_params``, those that are experts.
+        param_tensors: trainable parameter tensors (AdamW keeps a step counter for each).
+        buffer_bytes: bytes of the persistent buffers (those in the state dict).
     """
 
     name: str
@@ -39,6 +41,8 @@ class ModelSummary:
     expert_params: int = 0
     experts_per_layer: tuple[int, ...] = ()
     largest_block_expert_params: int = 0
+    param_tensors: int = 0
+    buffer_bytes: int = 0
 
 
 def load_model_class(path: str) -> type:
@@ -185,6 +189,12 @@ def summarize_model(
         experts_per_layer=tuple(layer.num_experts for layer in layers),
         largest_block_expert_params=sum(
             layer.expert_numel for layer in layers if largest is not None and _inside(layer.module, largest)
+        ),
+        param_tensors=sum(1 for p in module.parameters() if p.requires_grad),
+        buffer_bytes=sum(
+            t.numel() * t.element_size()
+            for t in module.state_dict(keep_vars=True).values()
+            if t is not None and not isinstance(t, nn.Parameter)
         ),
     )
 

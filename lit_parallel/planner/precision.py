@@ -35,6 +35,13 @@ class PrecisionBytes:
         return self.params + self.grads + self.optimizer
 
     @property
+    def master(self) -> int:
+        """Bytes of one element of the weights the optimizer updates, as a checkpoint stores them and AdamW's
+        two states: the fp32 master weight under mixed precision (``optimizer`` = master + two states = 3 x
+        4), the parameter itself otherwise (``optimizer`` = two states of ``params`` bytes each)."""
+        return self.params if self.optimizer == 2 * self.params else self.optimizer // 3
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of :attr:`compute`'s size that simulated steps run in (fp16 flags as ``bfloat16``: the
         same bytes)."""

@@ -533,6 +533,7 @@ class Advice:
                     "state_gb": r.state_bytes / GB,
                     "activation_gb": None if r.activation_bytes is None else r.activation_bytes / GB,
                     "fits": r.fits,
+                    "host_copy_gb": None if r.host_copy_bytes is None else r.host_copy_bytes / GB,
                 }
                 for r in self.rows
             ],
@@ -679,6 +680,9 @@ def _measure(
         activations=advice.activations,
         expert_params=summary.expert_params if summary is not None else 0,
         expert_parallel=ep,
+        param_tensors=summary.param_tensors if summary is not None else 0,
+        buffer_bytes=summary.buffer_bytes if summary is not None else 0,
+        device_type=device_type,
     )
     return advice
 

@@ -1,9 +1,93 @@
-"""Scenarios for ``lit-parallel advise --verify``'s launch (tests/planner/time/test_calibration.py), and its
-measured steps under torch's own memory tracker (tests/commands/conftest.py)."""
+"""Scenarios for ``lit-parallel advise --verify``'s launch (tests/planner/time/test_calibration.py), its
+measured steps under torch's own memory tracker (tests/commands/conftest.py), and the host copy of
+``async_checkpoint=True`` (tests/planner/memory/test_host_copy.py)."""
 
 from __future__ import annotations
 
+import lightning as L
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.models import Llama, LlamaConfig
+
+# the host-copy scenario's tokens: a vocabulary of odd size gives the embedding and the head an odd dim 0,
+# which FSDP2 cuts unevenly (rank 0 holds one row more than rank 1)
+HOST_COPY_VOCAB, HOST_COPY_SEQ = 63, 8
+# (strategy, its arguments, precision) of each save the host-copy scenario makes
+HOST_COPY_RUNS = (
+    ("ddp_tuned", {}, "32-true"),
+    ("fsdp_blocks", {}, "bf16-mixed"),
+    ("hsdp", {"shard_size": 1}, "bf16-true"),  # 2 replicas of 1 shard: every rank saves all of it
+    ("tp_dp", {"tensor_parallel_size": 2}, "32-true"),
+    ("pp_dp", {"pipeline_parallel_size": 2, "microbatches": 2}, "32-true"),
+)
+
+
+class HostCopyModel(L.LightningModule):
+    """A tiny Llama with what a checkpoint's size depends on: odd dims 0, a frozen weight (no optimizer
+    state), persistent buffers of a floating and an integer dtype at the root (outside every pipeline stage's
+    pieces), and the Llama's non-persistent rotary tables (not saved)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Llama(LlamaConfig(vocab_size=HOST_COPY_VOCAB, max_seq_len=HOST_COPY_SEQ))
+        self.model.norm.weight.requires_grad_(False)
+        self.register_buffer("loss_scale", torch.ones(5))
+        self.register_buffer("seen", torch.zeros(3, dtype=torch.long))
+
+    def forward(self, tokens):
+        return self.model(tokens)
+
+    def pipeline_loss(self, output, targets):
+        return F.cross_entropy(output.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def async_host_copy(ctx) -> dict:
+    """Each of :data:`HOST_COPY_RUNS` with ``async_checkpoint=True``: two training steps of
+    :class:`HostCopyModel`, then one ``trainer.save_checkpoint``; the bytes of the host copy the save
+    allocated, as the package counts its tensors (``reliability.checkpoints.host.nbytes``; 0 where the rank
+    staged nothing), and how many times it was allocated."""
+    from pathlib import Path
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lit_parallel as lp
+    from tests.scenarios.common import quiet_trainer
+
+    classes = {
+        "ddp_tuned": lp.TunedDDPStrategy,
+        "fsdp_blocks": lp.TransformerFSDPStrategy,
+        "hsdp": lp.HybridShardStrategy,
+        "tp_dp": lp.TensorParallelStrategy,
+        "pp_dp": lp.PipelineParallelStrategy,
+    }
+    tokens = torch.randint(
+        0, HOST_COPY_VOCAB, (8, HOST_COPY_SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    folder = Path(ctx.outdir) / "host_copy"
+    out = {}
+    for name, kwargs, precision in HOST_COPY_RUNS:
+        L.seed_everything(0, verbose=False)
+        strategy = classes[name](async_checkpoint=True, **kwargs)
+        trainer = quiet_trainer(ctx, strategy, max_steps=2, precision=precision)
+        trainer.fit(HostCopyModel(), DataLoader(data, batch_size=2))
+        trainer.save_checkpoint(folder / f"{name}.ckpt")
+        checkpoints = trainer.strategy.reliability.checkpoints
+        assert checkpoints.writer.wait(timeout=60), f"{name}: the background write did not finish"
+        host = checkpoints.host
+        out[name] = {
+            "nbytes": host.nbytes if host is not None else 0,
+            "allocations": host.allocations if host is not None else 0,
+        }
+    return out
 
 
 def slowest_rank_timing(ctx) -> dict:

@@ -41,6 +41,12 @@ ZERO2_NOTE = (
     " full parameters only)"
 )
 
+HOST_COPY_NOTE = (
+    "async ckpt host copy: host memory (not device memory) that async_checkpoint=True keeps on rank 0, one copy"
+    " of what the rank saves: its share of the weights in the optimizer's dtype (fp32 under mixed precision)"
+    " and of AdamW's state, and every rank's RNG states; ddp_tuned: rank 0 only, it writes the single file"
+)
+
 
 def parse_count(text: str) -> int:
     """``"7e9"``, ``"7B"``, ``"350M"``, ``"1.3b"``, ``"125_000_000"`` -> a number of parameters."""
@@ -348,6 +354,7 @@ def _advice_table(a: Advice, width: int) -> Any:
     if act is not None:
         columns += [Column("activations", "right"), Column("total", "right")]
     columns.append(Column(f"fits {format_bytes(a.usable_bytes, decimal=True)}", "center"))
+    columns.append(Column("async ckpt host copy", "right"))
     rows = []
     for r in a.rows:
         cells = [
@@ -362,6 +369,7 @@ def _advice_table(a: Advice, width: int) -> Any:
         if act is not None:
             cells += [_gb(r.activation_bytes), _gb(r.total_bytes)]
         cells.append("[green]yes[/green]" if r.fits else "[red]no[/red]")
+        cells.append(_gb(r.host_copy_bytes))
         rows.append(cells)
     styles = ["bold" if r.strategy == a.choice else None for r in a.rows]
     return fit_table(
@@ -395,6 +403,7 @@ def print_advice(a: Advice) -> None:
         )
     console.print(_advice_table(a, console.width))
     console.print(ZERO2_NOTE)
+    console.print(HOST_COPY_NOTE)
     console.print("[bold]rules[/bold] (in order; the first that holds decides):")
     for rule, holds, evidence in a.evaluations:
         mark = a.verdict(rule, holds)

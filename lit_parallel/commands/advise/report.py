@@ -425,10 +425,12 @@ def print_prediction(pred: Prediction, console: Any) -> None:
         *(Column(c, "right") for c in (*CATEGORIES, "peak", "peak with AC")),
         Column("at", wrap=True),
         Column("step time", "right"),
+        Column("async ckpt host copy", "right"),
     ]
     rows = []
     for s, p in r.peaks.items():
         t = pred.step_s(s)["step_s"]
+        host = r.host_copy.get(s)
         rows.append(
             [
                 escape(r.label(s)),
@@ -437,9 +439,15 @@ def print_prediction(pred: Prediction, console: Any) -> None:
                 b(r.peaks_checkpointed[s].total),
                 escape(p.phase + (f" ({p.moment})" if p.moment else "")),
                 "-" if t is None else f"{t * 1e3:.1f} ms",
+                "-" if host is None else b(host),
             ]
         )
     console.print(fit_table(columns, rows, width=console.width))
+    if r.host_copy:
+        console.print(
+            "async ckpt host copy: as in the memory table, counted per tensor as each strategy cuts it (rank 0"
+            " holds the larger part of an uneven dim 0), with the buffers; pp_dp: the rank that holds the most"
+        )
     if pred.timing is not None:
         t = pred.timing
         console.print(

@@ -316,6 +316,8 @@ class PeakReport:
     expert_parallel_size: int = 1  # > 1: fsdp_blocks with expert parallelism is predicted too
     # (rows, hidden, top_k, num_experts) of each MoE layer call (planner.simulation.StepSimulation)
     moe_calls: tuple[tuple[int, int, int | None, int], ...] = ()
+    # strategy -> bytes of async_checkpoint's host copy on the rank holding the most (planner.memory.host_copy)
+    host_copy: dict[str, float] = field(default_factory=dict)
 
     def label(self, strategy: str) -> str:
         """How ``strategy``'s row is named (``fsdp_blocks (expert_parallel_size=4)``, ...)."""
@@ -332,6 +334,7 @@ class PeakReport:
                     "label": self.label(s),
                     "activation_checkpointing_off": self.peaks[s].as_dict(),
                     "activation_checkpointing_on": self.peaks_checkpointed[s].as_dict(),
+                    "async_checkpoint_host_copy_bytes": self.host_copy.get(s),
                 }
                 for s in self.peaks
             },

@@ -13,10 +13,12 @@ from torch import nn
 
 from lit_parallel.parallel.tensor_parallel.plan import TPPlan
 from lit_parallel.planner.activations import estimate_activations
+from lit_parallel.planner.memory.host_copy import host_copies
 from lit_parallel.planner.memory.peak import ModelShape, Peak, PeakReport, add_strategy_peaks
 from lit_parallel.planner.memory.pipeline import predict_pipeline
 from lit_parallel.planner.memory.table import memory_rows
-from lit_parallel.planner.memory.tensor_parallel import tp_peaks
+from lit_parallel.planner.memory.tensor_parallel import tp_local_model, tp_peaks
+from lit_parallel.planner.pipeline_layout import pipeline_plan
 from lit_parallel.planner.precision import canonical_precision, compute_dtype, precision_bytes
 from lit_parallel.planner.simulation import StepSimulation, simulate_step
 
@@ -35,7 +37,8 @@ def predict_peaks(
     tp_plan: tuple[nn.Module, TPPlan] | None = None,
     expert_parallel: int = 1,
 ) -> PeakReport:
-    """Per-rank peak of one training step (AdamW) for every strategy, with and without checkpointing.
+    """Per-rank peak of one training step (AdamW) for every strategy, with and without checkpointing, and
+    the host copy ``async_checkpoint=True`` keeps (:mod:`~lit_parallel.planner.memory.host_copy`).
 
     Args:
         module: the model (any device: it is simulated on meta without copying memory).
@@ -100,6 +103,20 @@ def predict_peaks(
         device_type=device_type,
         seq_len=seq_len,
         example_inputs=example_inputs,
+    )
+    pipeline = None
+    if report.pipeline is not None:
+        layout = report.pipeline.layout
+        pipeline = (pipeline_plan(module, list(block_names), layout), layout.data_parallel)
+    report.host_copy = host_copies(
+        module,
+        precision=precision,
+        devices=devices,
+        nodes=nodes,
+        device_type=device_type,
+        expert_parallel=report.expert_parallel_size,
+        tp_local=tp_local_model(*tp_plan) if tp_plan is not None else None,
+        pipeline=pipeline,
     )
     return report
 

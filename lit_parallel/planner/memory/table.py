@@ -28,10 +28,11 @@ gathers, which the peak prediction counts (:mod:`~lit_parallel.planner.memory.pe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from lit_parallel.parallel.memory import estimate_memory
+from lit_parallel.planner.memory.host_copy import host_copy_from_counts
 from lit_parallel.planner.precision import PrecisionBytes, precision_bytes
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class StateRow:
         strategy: the lit_parallel strategy that runs it: its registry name, with the argument that
             selects it where one is needed (ZeRO-2); ``None`` for ZeRO-1, which no strategy here implements.
         sharding: what is divided and over how many ranks, in words.
+        host_copy_bytes: the host memory ``async_checkpoint=True`` keeps on rank 0 (one copy of what the
+            rank saves: :func:`~lit_parallel.planner.memory.host_copy.host_copy_from_counts`); ``None`` for
+            ZeRO-1, which no strategy here runs.
     """
 
     name: str
@@ -58,6 +62,7 @@ class StateRow:
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
+    host_copy_bytes: float | None = field(default=None, kw_only=True)
 
     @property
     def state_bytes(self) -> float:
@@ -77,6 +82,8 @@ class MemoryRow(StateRow):
         activation_bytes: per-rank activations for the given micro-batch; ``None`` without a model.
         fits: model state (+ activations when known) <= the usable device memory (the advisor's headroom
             taken off: :func:`lit_parallel.planner.rules.usable_memory`).
+        host_copy_bytes: the host memory ``async_checkpoint=True`` keeps on rank 0 (:class:`StateRow`); host
+            memory, not counted in ``fits``.
     """
 
     activation_bytes: float | None
@@ -98,8 +105,11 @@ def memory_rows(
     tp_split_params: int | None = None,
     expert_params: int = 0,
     expert_parallel: int = 1,
+    param_tensors: int = 0,
+    buffer_bytes: int = 0,
+    device_type: str = "cuda",
 ) -> list[StateRow]:
-    """Every row's per-rank model state.
+    """Every row's per-rank model state, and its host copy under ``async_checkpoint=True``.
 
     Args:
         tp_split_params: parameters tensor parallelism splits (those inside transformer blocks); the
@@ -107,6 +117,9 @@ def memory_rows(
         expert_params, expert_parallel: the model's expert parameters and the expert-parallel size of the
             FSDP+EP row (``fsdp_blocks`` with ``expert_parallel_size``); no such row with
             ``expert_parallel=1``.
+        param_tensors, buffer_bytes, device_type: the trainable parameter tensors (one AdamW step counter
+            each), the bytes of persistent buffers and the devices' type (a CUDA generator's state in the
+            RNG states), for the host copy; 0 where unknown.
     """
     b = precision_bytes(precision)
     world = devices * nodes
@@ -123,7 +136,19 @@ def memory_rows(
     # ZeRO-2 as lit_parallel runs it (FSDP2 without resharding after forward): ZeRO-3's shards, and every
     # parameter gathered (full, in the stored dtype) from forward until its gradient is reduce-scattered
     zero2 = (zero3[0] + params * b.params, zero3[1], zero3[2])
-    return [
+    host = functools.partial(
+        host_copy_from_counts,
+        params,
+        precision=precision,
+        world=world,
+        trainable_params=trainable,
+        param_tensors=param_tensors,
+        buffer_bytes=buffer_bytes,
+        device_type=device_type,
+    )
+    tp_host = frac * host(strategy="zero3") + (1 - frac) * host(strategy="hsdp", shard=dp)
+    ep_host = host(expert_params=expert_params, expert_parallel=expert_parallel)
+    rows = [
         StateRow("DDP", "ddp_tuned", "nothing sharded", *split("ddp", None, world)),
         StateRow("ZeRO-1", None, f"optimizer state / {world}", *split("zero1", world, world)),
         StateRow(
@@ -152,6 +177,9 @@ def memory_rows(
             *tp_row,
         ),
     ]
+    hosts = {"DDP": host(strategy="ddp"), "ZeRO-2": host(), "FSDP/ZeRO-3": host(), "FSDP+EP": ep_host}
+    hosts.update({"HSDP": host(strategy="hsdp", shard=devices), "TP+DP": tp_host})
+    return [replace(r, host_copy_bytes=hosts.get(r.name)) for r in rows]
 
 
 def expert_parallel_label(expert_parallel: int) -> str:
@@ -205,6 +233,9 @@ def memory_table(
     activations: ActivationEstimate | None = None,
     expert_params: int = 0,
     expert_parallel: int = 1,
+    param_tensors: int = 0,
+    buffer_bytes: int = 0,
+    device_type: str = "cuda",
 ) -> list[MemoryRow]:
     """:func:`memory_rows` with each row's activations (when estimated) and whether it fits ``memory_bytes``
     (the usable bytes of one device: the advisor passes them with its headroom taken off)."""
@@ -218,6 +249,9 @@ def memory_table(
         tp_split_params=tp_split_params,
         expert_params=expert_params,
         expert_parallel=expert_parallel,
+        param_tensors=param_tensors,
+        buffer_bytes=buffer_bytes,
+        device_type=device_type,
     ):
         a = None
         if activations is not None:
@@ -226,6 +260,16 @@ def memory_table(
             a = activations.block_bytes / devices + outside if r.name == "TP+DP" else activations.total_bytes
         fits = r.state_bytes + (a or 0.0) <= memory_bytes
         rows.append(
-            MemoryRow(r.name, r.strategy, r.sharding, r.param_bytes, r.grad_bytes, r.optimizer_bytes, a, fits)
+            MemoryRow(
+                r.name,
+                r.strategy,
+                r.sharding,
+                r.param_bytes,
+                r.grad_bytes,
+                r.optimizer_bytes,
+                a,
+                fits,
+                host_copy_bytes=r.host_copy_bytes,
+            )
         )
     return rows

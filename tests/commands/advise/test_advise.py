@@ -269,6 +269,14 @@ def test_advise_command_prints_the_table_and_writes_the_same_figures_as_json(tmp
     assert state == pytest.approx(
         {"DDP": 16.0, "ZeRO-1": 4.75, "ZeRO-2": 3.0, "FSDP/ZeRO-3": 1.0, "HSDP": 2.0, "TP+DP": 1.0}
     )
+    # async_checkpoint's host copy on rank 0: fp32 weights + AdamW's two fp32 states, 12 bytes per parameter
+    # of the rank's share, and 16 ranks' RNG states of a few kB (tests/planner/memory/test_host_copy.py)
+    host = {r["name"]: r["host_copy_gb"] for r in data["rows"]}
+    assert host["ZeRO-1"] is None
+    del host["ZeRO-1"]
+    expected = {"DDP": 12.0, "ZeRO-2": 0.75, "FSDP/ZeRO-3": 0.75, "HSDP": 1.5, "TP+DP": 0.75}
+    assert host == pytest.approx(expected, abs=1e-3)
+    assert "async ckpt host copy: host memory" in res.stdout
     assert data["recommendation"] == "ddp_tuned" and data["rule"] == 1
 
 
@@ -903,6 +911,9 @@ def test_advise_json_has_every_prediction_in_the_documented_schema(tmp_path, mon
             assert fig["total_bytes"] == pytest.approx(sum(fig[f"{k}_bytes"] for k in parts))
             assert fig["phase"] in ("forward", "backward", "optimizer step")
         assert set(entry["time"]) == {"compute_s", "optimizer_s", "comm_s", "step_s"}
+    host = {s: entry["async_checkpoint_host_copy_bytes"] for s, entry in data["peak"].items()}
+    assert host.pop("one_process") is None  # no lit_parallel strategy: no async_checkpoint
+    assert all(n > 0 for n in host.values()), host
     assert set(data["activations_bytes"]) == {"bf16-mixed", "32-true"}
     assert data["batch_size"] == 2 and data["input"] == "tokens (2, 16)"
 
