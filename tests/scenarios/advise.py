@@ -85,7 +85,7 @@ def async_host_copy(ctx) -> dict:
         host = checkpoints.host
         out[name] = {
             "nbytes": host.nbytes if host is not None else 0,
-            "allocations": host.allocations if host is not None else 0,
+            "allocated_bytes": host.allocated_bytes if host is not None else 0,
         }
     return out
 

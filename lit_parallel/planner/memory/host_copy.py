@@ -125,10 +125,12 @@ def saved_state_bytes(
     element, convert_buffers = _checkpoint_dtypes(precision)
     experts = _expert_parts(module, expert_parallel, shard)
     optimized: set[int] = set()
+    copied: set[int] = set()  # a tensor under two names (tied weights) is copied once
     total = 0
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if tensor is None or (keep is not None and not keep(name)):
+        if tensor is None or (keep is not None and not keep(name)) or id(tensor) in copied:
             continue
+        copied.add(id(tensor))
         if not isinstance(tensor, nn.Parameter):  # a persistent buffer: whole on every rank
             size = element if convert_buffers and tensor.is_floating_point() else tensor.element_size()
             total += tensor.numel() * size
