@@ -179,7 +179,8 @@ class AsyncCheckpoints:
 
     def pending(self, destination: Any) -> bool:
         """Whether ``destination``'s write is queued or running, or failed without being raised yet."""
-        return str(destination) in self.writer.pending_writes() or self.writer.failed_write == str(destination)
+        path = str(destination)
+        return path in self.writer.pending_writes() or self.writer.failed_write == path
 
     def process_group(self) -> Any:
         """The gloo group the background DCP writes use, created at the first one (a collective: every rank
