@@ -102,6 +102,7 @@ class AsyncCheckpoints:
         self._group: Any = None
         self._decided: bool | None = True if setting is True else None
         self._size_logged = False
+        self._gave_up = False
         if not _LIVE:
             atexit.register(_wait_at_exit)
         _LIVE.add(self)
@@ -185,6 +186,11 @@ class AsyncCheckpoints:
     def process_group(self) -> Any:
         """The gloo group the background DCP writes use, created at the first one (a collective: every rank
         calls it at the same save)."""
+        if self._group is not None:
+            try:
+                dist.get_rank(self._group)
+            except (RuntimeError, ValueError):  # destroyed with the process groups after a failed run
+                self._group = None
         if self._group is None:
             kwargs = {} if self.timeout is None else {"timeout": self.timeout}
             self._group = dist.new_group(backend="gloo", **kwargs)
@@ -207,8 +213,10 @@ class AsyncCheckpoints:
     def finish(self) -> None:
         """The end of ``fit`` / ``validate`` / ``test``: wait for every pending write (after a failed run at
         most :data:`FAILED_RUN_WAIT_S`, naming what is left unfinished) and raise a failed one."""
-        if self.failed_run:
+        failed, self.failed_run = self.failed_run, False  # the next fit of this strategy starts afresh
+        if failed:
             if not self.writer.wait(FAILED_RUN_WAIT_S):
+                self._gave_up = True  # a write stuck with a dead peer: the exit does not wait for it either
                 left = self.writer.pending_writes()
                 _logging.warning(
                     f"async_checkpoint: the run failed and the background write of {', '.join(left)} did not"
@@ -243,7 +251,7 @@ class AsyncCheckpoints:
 
     def wait_at_exit(self) -> None:
         """At the interpreter's exit: a pending write finishes first (bounded after a failed run)."""
-        self.writer.wait(FAILED_RUN_WAIT_S if self.failed_run else None)
+        self.writer.wait(FAILED_RUN_WAIT_S if self.failed_run or self._gave_up else None)
 
 
 # --- the writes -----------------------------------------------------------------------------------------
