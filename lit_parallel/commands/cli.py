@@ -31,6 +31,10 @@ BENCHMARKS = {
         "lit_parallel.commands.bench.ep",
         "fsdp_blocks with vs without expert parallelism on an MoE model: bytes per collective, step time, plot",
     ),
+    "checkpoint": (
+        "lit_parallel.commands.bench.checkpoint",
+        "training blocked per checkpoint save, synchronous vs async_checkpoint vs Lightning's AsyncCheckpointIO",
+    ),
     "callbacks": (
         "lit_parallel.commands.bench.callbacks",
         "cost of SetEpochCheck, CrossRankMetrics, PitfallReport and SyncBatchNormConversion per step and epoch",

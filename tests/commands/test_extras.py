@@ -93,6 +93,12 @@ def test_commands_refuse_before_any_work_naming_the_extra_and_the_pip_line(tmp_p
             "transformers",
             "moe",
         ),
+        "bench checkpoint": (
+            ["bench", "checkpoint", "--out", str(tmp_path / "ck"), "--json", str(tmp_path / "ck.json")],
+            "matplotlib",
+            "matplotlib",
+            "bench",
+        ),
     }
     absent = [
         ["sklearn", "matplotlib", "transformers"],

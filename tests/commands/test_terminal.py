@@ -333,6 +333,26 @@ def _bench_callbacks_result() -> dict:
     return {"config": config, "variants": _medians(raw), "per_repeat": raw}
 
 
+def _bench_checkpoint_result() -> dict:
+    from lit_parallel.commands.bench.checkpoint import STRATEGIES, modes_of, report
+
+    def ranks(i: int, mode: str) -> list[dict]:
+        background = mode != "sync"
+        steps = [(0.3 + 0.01 * k, background and k % 3 == 1, False) for k in range(10)]
+        saves = [((2.5 + 0.1 * i) / (20 if background else 1) * (1 + 0.1 * k), k == 2) for k in range(4)]
+        writes = [3.1 + 0.2 * k for k in range(4)] if background else []
+        host = 145_000_000 * (1 + (i % 2)) if mode == "async" else None
+        return [
+            {"steps": steps, "saves": saves, "writes": writes, "host_bytes": host, "host_allocations": 1}
+            | ({"verified": ["sharded"] * 4, "checkpoint_bytes": 290_000_000} if rank == 0 else {})
+            for rank in range(2)
+        ]
+
+    runs = {name: {mode: ranks(i, mode) for mode in modes_of(name)} for i, name in enumerate(STRATEGIES)}
+    config = {"devices": 2, "backend": "gloo", "params": 24_200_000, "state_bytes": 290_480_000, "saves": 4}
+    return report(config | {"every": 8}, runs)
+
+
 def _bench_values(name: str, result: dict) -> list[str]:
     """Every figure `bench NAME`'s table prints, formatted as its columns state them."""
     v = result.get("variants", {})
@@ -419,6 +439,25 @@ def _bench_values(name: str, result: dict) -> list[str]:
                 ),
             )
         ] + ["experts/rank", "vs fsdp_blocks", "all-gather", "reduce-scatter", "all-to-all", "predicted"]
+    if name == "checkpoint":
+        from lit_parallel.commands.bench.checkpoint import MODE_CELLS
+
+        return [
+            s
+            for n, x in result["strategies"].items()
+            for mode, m in x["modes"].items()
+            for s in (
+                n,
+                MODE_CELLS[mode],
+                f"{m['blocked_s'] * 1e3:.1f}",
+                f"{x['blocked_ratio'].get(f'{mode}_vs_sync', 1.0):.3f}",
+                f"{m['first_blocked_s'] * 1e3:.1f}",
+                "-" if m["write_s"] is None else f"{m['write_s'] * 1e3:.1f}",
+                *([format_bytes(max(m["host_bytes_per_rank"]), decimal=True)] if mode == "async" else []),
+                f"{m['step_s'] * 1e3:.1f}",
+                "-" if m["slowdown"] is None else f"x{m['slowdown']:.2f}",
+            )
+        ] + ["blocked/save (ms)", "first save (ms)", "host copy/rank", "during a write"]
     base = v["none"]
     return [
         s
@@ -444,6 +483,7 @@ BENCH_RESULTS = {
     "pp": _bench_pp_result,
     "ep": _bench_ep_result,
     "callbacks": _bench_callbacks_result,
+    "checkpoint": _bench_checkpoint_result,
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from lit_parallel.commands.extras import require_extra
 
-# name -> module; the strategy benchmarks run by default, "pp", "ep" and "callbacks" on request
+# name -> module; the strategy benchmarks run by default, "pp", "ep", "callbacks" and "checkpoint" on request
 BENCHMARKS = {
     "ddp": "lit_parallel.commands.bench.ddp",
     "fsdp": "lit_parallel.commands.bench.fsdp",
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "pp": "lit_parallel.commands.bench.pp",
     "ep": "lit_parallel.commands.bench.ep",
     "callbacks": "lit_parallel.commands.bench.callbacks",
+    "checkpoint": "lit_parallel.commands.bench.checkpoint",
 }
 DEFAULT = ("ddp", "fsdp", "tp")
 
@@ -40,6 +41,7 @@ QUICK = {
     "ep": ["--hidden=32", "--intermediate=64", "--layers=2", "--vocab=128", "--seq=16", "--batch-size=2"]
     + ["--steps=1", "--warmup=2", "--repeats=1"],
     "callbacks": ["--width=64", "--batch-size=16", "--steps=4", "--epochs=1", "--warmup=1", "--repeats=1"],
+    "checkpoint": ["--size-mb=1", "--saves=2", "--every=2", "--warmup=1"],
 }
 
 # plot -> (title, y label, [(result key, scale, what the key measures)]); the first key a variant has wins
@@ -129,6 +131,8 @@ def _run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lit-parallel-bench-") as tmp:
         json_path = Path(tmp) / f"{name}.json"
         argv = [f"--devices={args.devices}", f"--accelerator={args.accelerator}", f"--json={json_path}"]
+        if any(action.dest == "out" for action in parser._actions):  # its own plots: into bench all's folder
+            argv.append(f"--out={args.out}")
         sub_args = parser.parse_args(argv + (QUICK[name] if args.quick else []))
         code = module.run(sub_args)
         if code:
