@@ -89,8 +89,15 @@ def test_the_parameter_count_is_the_models_and_the_width_the_closest_to_the_size
                 assert miss <= abs(bench_checkpoint.state_bytes(other) - size_mb * 1e6)
 
 
-def _rank(steps, saves, writes, host=None):
-    return {"steps": steps, "saves": saves, "writes": writes, "host_bytes": host, "host_allocations": 1}
+def _rank(steps, saves, writes, host=None, most_in_flight=0):
+    return {
+        "steps": steps,
+        "saves": saves,
+        "writes": writes,
+        "host_bytes": host,
+        "host_allocations": 1,
+        "most_in_flight": most_in_flight,
+    }
 
 
 def test_a_runs_figures_are_the_slowest_ranks_and_medians_over_the_saves_after_the_first():
@@ -98,14 +105,18 @@ def test_a_runs_figures_are_the_slowest_ranks_and_medians_over_the_saves_after_t
     steps0 = [(0.10, False, False), (0.30, True, True), (0.20, True, False), (0.12, False, False)]
     steps1 = [(0.11, False, False), (0.25, False, True), (0.22, False, False), (0.10, False, True)]
     ranks = [
-        _rank(steps0, [(2.0, False), (0.10, False), (0.30, True)], [1.0, 3.0, 2.0], host=100),
-        _rank(steps1, [(1.0, False), (0.20, False), (0.10, False)], [1.5, 2.0, 4.0], host=90),
+        _rank(
+            steps0, [(2.0, False), (0.10, False), (0.30, True)], [1.0, 3.0, 2.0], host=100, most_in_flight=1
+        ),
+        _rank(
+            steps1, [(1.0, False), (0.20, False), (0.10, False)], [1.5, 2.0, 4.0], host=90, most_in_flight=2
+        ),
     ]
     ranks[0]["verified"], ranks[0]["checkpoint_bytes"] = ["sharded"] * 3, 1234
     m = bench_checkpoint.summarize(ranks, "async")
     assert m["blocked_per_save_s"] == [2.0, 0.20, 0.30]  # the slowest rank's, save by save
     assert m["first_blocked_s"] == 2.0 and m["blocked_s"] == pytest.approx(0.25)  # median of 0.20 and 0.30
-    assert m["saves_that_waited_for_a_write"] == 1
+    assert m["saves_that_waited_for_a_write"] == 1 and m["most_writes_in_flight"] == 2
     assert m["write_per_save_s"] == [1.5, 3.0, 4.0] and m["write_s"] == pytest.approx(3.5)
     # steps 1 and 2 began with a write pending (on rank 0); step 0 had none; step 3 ended with one on rank 1
     assert (m["steps_during_write"], m["steps_no_write"]) == (2, 1)
@@ -165,6 +176,7 @@ def test_bench_checkpoint_saves_complete_checkpoints_and_reports_every_mode_on_2
             assert len(m["blocked_per_save_s"]) == 2 and m["blocked_s"] > 0
             if mode == "sync":
                 assert (m["steps_no_write"], m["steps_during_write"]) == (1 + 2 * 2, 0)
+                assert m["most_writes_in_flight"] == 0
             else:
                 assert m["steps_no_write"] + m["steps_during_write"] <= 1 + 2 * 2
             assert len(m["write_per_save_s"]) == (0 if mode == "sync" else 2)
@@ -175,6 +187,7 @@ def test_bench_checkpoint_saves_complete_checkpoints_and_reports_every_mode_on_2
     fsdp_host = fsdp["modes"]["async"]["host_bytes_per_rank"]
     assert all(0.45 * cfg["state_bytes"] < h < 0.55 * cfg["state_bytes"] for h in fsdp_host), fsdp_host
     assert fsdp["modes"]["async"]["host_allocations_per_rank"] == [1, 1]  # allocated once, reused
+    assert all(s["modes"]["async"]["most_writes_in_flight"] <= 1 for s in (ddp, fsdp))  # one copy at most
     assert "bench checkpoint" in res.stdout and "Lightning ddp + AsyncCheckpointIO" in res.stdout
     png = tmp_path / "checkpoint_bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["plots"] == [str(png)]

@@ -321,9 +321,9 @@ class _LightningWrites:
 
         return CountedAsyncCheckpointIO(TimedTorchCheckpointIO())
 
-    def pending(self) -> bool:
+    def count(self) -> int:
         with self.lock:
-            return self.in_flight > 0
+            return self.in_flight
 
 
 def _saver(args: argparse.Namespace, folder: Path, mode: str, use_gpu: bool, lightning_writes: Any) -> Any:
@@ -337,29 +337,31 @@ def _saver(args: argparse.Namespace, folder: Path, mode: str, use_gpu: bool, lig
         if use_gpu:
             torch.cuda.synchronize()
 
-    def pending(trainer) -> bool:
+    def in_flight(trainer) -> int:
+        """Writes queued or running on this rank."""
         if mode == "lightning_async":
-            return lightning_writes.pending()
+            return lightning_writes.count()
         checkpoints = trainer.strategy.reliability.checkpoints
-        return checkpoints is not None and bool(checkpoints.writer.pending_writes())
+        return 0 if checkpoints is None else len(checkpoints.writer.pending_writes())
 
     class SaveTimer(L.Callback):
         def __init__(self) -> None:
             self.steps: list[tuple[float, bool, bool]] = []  # (seconds, write pending at start, ... at end)
             self.saves: list[tuple[float, bool]] = []  # (seconds blocked, a write was pending before it)
             self.paths: list[str] = []
+            self.most_in_flight = 0  # the most writes queued or running at once, each with its own copy
             self._started = 0.0
             self._pending_at_start = False
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             sync()
-            self._pending_at_start = pending(trainer)
+            self._pending_at_start = in_flight(trainer) > 0
             self._started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             sync()
             ended = time.perf_counter()
-            self.steps.append((ended - self._started, self._pending_at_start, pending(trainer)))
+            self.steps.append((ended - self._started, self._pending_at_start, in_flight(trainer) > 0))
             done = trainer.global_step
             if (
                 done >= args.warmup
@@ -367,12 +369,13 @@ def _saver(args: argparse.Namespace, folder: Path, mode: str, use_gpu: bool, lig
                 and len(self.saves) < args.saves
             ):
                 path = folder / f"save-{len(self.saves)}.ckpt"
-                before = pending(trainer)
+                before = in_flight(trainer) > 0
                 started = time.perf_counter()
                 trainer.save_checkpoint(path)
                 sync()
                 self.saves.append((time.perf_counter() - started, before))
                 self.paths.append(str(path))
+                self.most_in_flight = max(self.most_in_flight, in_flight(trainer))
 
     return SaveTimer()
 
@@ -423,6 +426,7 @@ def _one_run(args: argparse.Namespace, name: str, mode: str, folder: Path, use_g
         "writes": writes,
         "host_bytes": host,
         "host_allocations": allocations,
+        "most_in_flight": timer.most_in_flight,
     }
     ranks: list[Any] = [None] * n
     dist.all_gather_object(ranks, mine)
@@ -471,6 +475,7 @@ def summarize(ranks: list[dict], mode: str) -> dict[str, Any]:
         "first_blocked_s": blocked[0],
         "blocked_per_save_s": blocked,
         "saves_that_waited_for_a_write": waited,
+        "most_writes_in_flight": max(r["most_in_flight"] for r in ranks),
         "write_s": _median(write_s[1:]) if len(write_s) > 1 else _median(write_s),
         "write_per_save_s": write_s,
         "step_s": step_clear,
