@@ -122,6 +122,8 @@ def test_a_runs_figures_are_the_slowest_ranks_and_medians_over_the_saves_after_t
     assert (m["steps_during_write"], m["steps_no_write"]) == (2, 1)
     assert m["step_during_write_s"] == pytest.approx(0.26) and m["step_s"] == pytest.approx(0.11)
     assert m["slowdown"] == pytest.approx(0.26 / 0.11)
+    # 2 steps over 3 saves overlapped a write, each 0.15 s slower than a step without one
+    assert m["cost_per_save_s"] == pytest.approx(0.25 + 2 / 3 * 0.15)
     assert m["host_bytes_per_rank"] == [100, 90] and m["verified"] == ["sharded"] * 3
     assert m["checkpoint_bytes"] == 1234
 
@@ -138,6 +140,7 @@ def test_a_synchronous_run_has_no_write_and_no_slowdown_and_the_ratio_is_against
     assert s["modes"]["sync"]["write_s"] is None and s["modes"]["sync"]["slowdown"] is None
     assert "host_bytes_per_rank" not in s["modes"]["sync"]
     assert s["modes"]["sync"]["blocked_s"] == 3.0 and s["modes"]["async"]["blocked_s"] == pytest.approx(0.2)
+    assert s["modes"]["sync"]["cost_per_save_s"] == 3.0  # no write overlaps a step
     assert s["blocked_ratio"] == {"async_vs_sync": pytest.approx(0.2 / 3.0)}
 
 

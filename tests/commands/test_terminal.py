@@ -457,8 +457,9 @@ def _bench_values(name: str, result: dict) -> list[str]:
                 *([format_bytes(max(m["host_bytes_per_rank"]), decimal=True)] if mode == "async" else []),
                 f"{m['step_s'] * 1e3:.1f}",
                 "-" if m["slowdown"] is None else f"x{m['slowdown']:.2f}",
+                f"{m['cost_per_save_s'] * 1e3:.1f}",
             )
-        ] + ["blocked/save (ms)", "first save (ms)", "host copy/rank", "during a write"]
+        ] + ["blocked/save (ms)", "first save (ms)", "host copy/rank", "during a write", "cost/save (ms)"]
     base = v["none"]
     return [
         s

@@ -16,9 +16,11 @@ Measured, per save: the time training is blocked (the wall time of ``trainer.sav
 the slowest rank's), and for background writes the write's own time (``writer.completed``, the slowest
 rank's). Per step: its time (batch start to batch end, the slowest rank's) and whether a rank had a write
 pending at its start; the slowdown is the median step during a write over the median step with no write
-pending, in the same run. Figures are medians over the saves after the first (the first allocates the host
-copy; it is reported apart). After each run every checkpoint is verified complete
-(:func:`~lit_parallel.checkpoint.load.verify_checkpoint`), then removed.
+pending, in the same run. The cost of a save is its blocked time plus what the steps overlapping writes lost:
+their number per save times the median step during a write less the median step without one. Figures are
+medians over the saves after the first (the first allocates the host copy; it is reported apart). After each
+run every checkpoint is verified complete (:func:`~lit_parallel.checkpoint.load.verify_checkpoint`), then
+removed.
 """
 
 from __future__ import annotations
@@ -470,6 +472,8 @@ def summarize(ranks: list[dict], mode: str) -> dict[str, Any]:
         elif not any(r["steps"][i][2] for r in ranks):
             clear.append(seconds)
     step_during, step_clear = _median(during), _median(clear)
+    # training time a save costs: the time it blocks, plus what the steps overlapping its write lost
+    extra = 0.0 if step_during is None or step_clear is None else step_during - step_clear
     out: dict[str, Any] = {
         "blocked_s": statistics.median(blocked[1:]),
         "first_blocked_s": blocked[0],
@@ -483,6 +487,7 @@ def summarize(ranks: list[dict], mode: str) -> dict[str, Any]:
         "steps_during_write": len(during),
         "step_during_write_s": step_during,
         "slowdown": step_during / step_clear if step_during is not None and step_clear else None,
+        "cost_per_save_s": statistics.median(blocked[1:]) + len(during) / saves * extra,
         "verified": ranks[0].get("verified", []),
         "checkpoint_bytes": ranks[0].get("checkpoint_bytes"),
     }
@@ -520,7 +525,7 @@ def print_report(result: dict[str, Any]) -> None:
     )
     headers = ("blocked/save (ms)", "vs sync", "first save (ms)", "write (ms)", "host copy/rank", "step (ms)")
     columns = [Column("strategy"), Column("mode"), *(Column(h, "right") for h in headers)]
-    columns.append(Column("during a write", "right"))
+    columns += [Column("during a write", "right"), Column("cost/save (ms)", "right")]
     rows = []
     for name, s in result["strategies"].items():
         for mode, m in s["modes"].items():
@@ -537,13 +542,15 @@ def print_report(result: dict[str, Any]) -> None:
                     "-" if not host else format_bytes(max(host), decimal=True),
                     "-" if m["step_s"] is None else f"{m['step_s'] * 1e3:.1f}",
                     "-" if m["slowdown"] is None else f"x{m['slowdown']:.2f}",
+                    f"{m['cost_per_save_s'] * 1e3:.1f}",
                 ]
             )
     console = terminal_console()
     console.print(fit_table(columns, rows, width=console.width, title=title))
     console.print(
         "blocked: trainer.save_checkpoint's wall time, slowest rank; write: the background write, slowest rank;"
-        " step: median step with no write pending; during a write: median step while one is pending, over it"
+        " step: median step with no write pending; during a write: median step while one is pending, over it;"
+        " cost: blocked + what the steps overlapping a write lost, per save"
     )
     for path in result.get("plots", []):
         print(f"wrote {path}")
