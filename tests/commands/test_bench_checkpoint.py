@@ -95,7 +95,7 @@ def _rank(steps, saves, writes, host=None, most_in_flight=0):
         "saves": saves,
         "writes": writes,
         "host_bytes": host,
-        "host_allocations": 1,
+        "host_allocated_bytes": host,
         "most_in_flight": most_in_flight,
     }
 
@@ -124,7 +124,8 @@ def test_a_runs_figures_are_the_slowest_ranks_and_medians_over_the_saves_after_t
     assert m["slowdown"] == pytest.approx(0.26 / 0.11)
     # 2 steps over 3 saves overlapped a write, each 0.15 s slower than a step without one
     assert m["cost_per_save_s"] == pytest.approx(0.25 + 2 / 3 * 0.15)
-    assert m["host_bytes_per_rank"] == [100, 90] and m["verified"] == ["sharded"] * 3
+    assert m["host_bytes_per_rank"] == [100, 90] and m["host_allocated_bytes_per_rank"] == [100, 90]
+    assert m["verified"] == ["sharded"] * 3
     assert m["checkpoint_bytes"] == 1234
 
 
@@ -189,7 +190,8 @@ def test_bench_checkpoint_saves_complete_checkpoints_and_reports_every_mode_on_2
     assert ddp_host[0] >= cfg["state_bytes"] and ddp_host[1] == 0
     fsdp_host = fsdp["modes"]["async"]["host_bytes_per_rank"]
     assert all(0.45 * cfg["state_bytes"] < h < 0.55 * cfg["state_bytes"] for h in fsdp_host), fsdp_host
-    assert fsdp["modes"]["async"]["host_allocations_per_rank"] == [1, 1]  # allocated once, reused
+    # allocated at the first save and reused by the second: no byte allocated beyond the copy itself
+    assert fsdp["modes"]["async"]["host_allocated_bytes_per_rank"] == fsdp_host
     assert all(s["modes"]["async"]["most_writes_in_flight"] <= 1 for s in (ddp, fsdp))  # one copy at most
     assert "bench checkpoint" in res.stdout and "Lightning ddp + AsyncCheckpointIO" in res.stdout
     png = tmp_path / "checkpoint_bench.png"

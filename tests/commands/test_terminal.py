@@ -343,7 +343,13 @@ def _bench_checkpoint_result() -> dict:
         writes = [3.1 + 0.2 * k for k in range(4)] if background else []
         host = 145_000_000 * (1 + (i % 2)) if mode == "async" else None
         return [
-            {"steps": steps, "saves": saves, "writes": writes, "host_bytes": host, "host_allocations": 1}
+            {
+                "steps": steps,
+                "saves": saves,
+                "writes": writes,
+                "host_bytes": host,
+                "host_allocated_bytes": host,
+            }
             | {"most_in_flight": int(background)}
             | ({"verified": ["sharded"] * 4, "checkpoint_bytes": 290_000_000} if rank == 0 else {})
             for rank in range(2)

@@ -185,8 +185,8 @@ def _strategy(name: str, mode: str, checkpoint_io: Any = None) -> Any:
 
     background = mode == "async"
     if mode == "lightning_async":
-        # Lightning's own ddp: under ddp_tuned, whose CheckpointIO renames each file into place when the inner
-        # save returns, AsyncCheckpointIO's thread has not written it yet and the save fails
+        # Lightning's own ddp: ddp_tuned's CheckpointIO renames each file into place when the inner save
+        # returns, which races with AsyncCheckpointIO's thread (the rename fails when the file is not there yet)
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(checkpoint_io=checkpoint_io)
@@ -417,17 +417,17 @@ def _one_run(args: argparse.Namespace, name: str, mode: str, folder: Path, use_g
         checkpoints = strategy.reliability.checkpoints
         writes = [s for _, s in checkpoints.writer.completed]
         host = checkpoints.host.nbytes if checkpoints.host is not None else 0
-        allocations = checkpoints.host.allocations if checkpoints.host is not None else 0
+        allocated = checkpoints.host.allocated_bytes if checkpoints.host is not None else 0
     elif mode == "lightning_async":
-        writes, host, allocations = [s for _, s in lightning_writes.completed], None, None
+        writes, host, allocated = [s for _, s in lightning_writes.completed], None, None
     else:
-        writes, host, allocations = [], None, None
+        writes, host, allocated = [], None, None
     mine = {
         "steps": timer.steps,
         "saves": timer.saves,
         "writes": writes,
         "host_bytes": host,
-        "host_allocations": allocations,
+        "host_allocated_bytes": allocated,
         "most_in_flight": timer.most_in_flight,
     }
     ranks: list[Any] = [None] * n
@@ -493,7 +493,7 @@ def summarize(ranks: list[dict], mode: str) -> dict[str, Any]:
     }
     if mode == "async":
         out["host_bytes_per_rank"] = [r["host_bytes"] for r in ranks]
-        out["host_allocations_per_rank"] = [r["host_allocations"] for r in ranks]
+        out["host_allocated_bytes_per_rank"] = [r["host_allocated_bytes"] for r in ranks]
     return out
 
 
