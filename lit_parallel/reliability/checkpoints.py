@@ -81,6 +81,21 @@ def check_tensor_parallel_layout(meta: Any, path: Any, tensor_parallel_size: int
     )
 
 
+def refuse_returning_before_written(checkpoint_io: Any) -> None:
+    """Lightning's ``AsyncCheckpointIO`` returns from a save before its thread wrote the file, so the file cannot
+    be committed (renamed into place) only when complete: refused, with the strategy's own option as the fix."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    if isinstance(checkpoint_io, AsyncCheckpointIO):
+        raise ValueError(
+            "Lightning's AsyncCheckpointIO plugin cannot be used with a lit_parallel strategy: it returns before"
+            " its thread has written the file, so the checkpoint could not be renamed into place only once"
+            " complete (a crash could leave a half-written checkpoint that looks whole). Remove the plugin and"
+            " pass async_checkpoint=True to the strategy: training then waits only for a copy in host memory"
+            " and the write runs in the background with the same guarantees as a synchronous save"
+        )
+
+
 class ReliableCheckpointIO(CheckpointIO):
     """Wraps a ``CheckpointIO``: local saves are written under a temporary name and renamed into place
     (never over a folder that is not a checkpoint); loads are verified first and use ``weights_only=True``

@@ -28,6 +28,7 @@ from lit_parallel.reliability.checkpoints import (
     ReliableCheckpointIO,
     collective_device,
     gather_rng_states,
+    refuse_returning_before_written,
     rng_states_to_restore,
 )
 from lit_parallel.reliability.launcher import report_from_spawned_ranks, watch_launcher
@@ -119,6 +120,7 @@ class Reliability:
         ownership, timeouts, the failure reporter, the preemption handler, the stall watchdog, the signal
         handling, the launcher's watchdog threads and the callback."""
         if not isinstance(strategy.checkpoint_io, ReliableCheckpointIO):
+            refuse_returning_before_written(strategy.checkpoint_io)
             strategy.checkpoint_io = ReliableCheckpointIO(
                 strategy.checkpoint_io, self.progress, strategy.broadcast, self
             )

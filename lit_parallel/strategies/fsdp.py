@@ -298,6 +298,9 @@ class TransformerFSDPStrategy(ReliableTrainingMixin, ModelParallelStrategy):
         self._setup_distributed()
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
         self.reliability.apply_timeout()  # the mesh's sub-groups get torch's 30-minute default otherwise
+        if self.reliability.checkpoints is not None and _compat.saves_distributed_checkpoint(self):
+            # the background writes' own gloo group, made now (a collective) rather than at the first save
+            self.reliability.checkpoints.process_group()
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, self._device_mesh)
         install_auto_resume(self)

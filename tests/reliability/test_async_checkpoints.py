@@ -246,6 +246,26 @@ def test_auto_turns_background_writes_on_when_a_save_takes_longer_than_a_few_ste
     assert decisions["slow"][0] is True and decisions["slow"][1] == ["step=6.ckpt", "step=8.ckpt"]
 
 
+@pytest.mark.timeout(60)
+def test_lightnings_asynccheckpointio_is_refused_with_the_strategys_option_as_the_fix(tmp_path):
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=lp.TunedDDPStrategy(),
+        plugins=[AsyncCheckpointIO()],
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ValueError, match="AsyncCheckpointIO plugin cannot be used") as info:
+        trainer.fit(_Tiny(), _data())
+    assert "pass async_checkpoint=True to the strategy" in str(info.value)
+
+
 # --- units: the host copy and the writer -------------------------------------------------------------------
 
 

@@ -185,8 +185,8 @@ def _strategy(name: str, mode: str, checkpoint_io: Any = None) -> Any:
 
     background = mode == "async"
     if mode == "lightning_async":
-        # Lightning's own ddp: ddp_tuned's CheckpointIO renames each file into place when the inner save
-        # returns, which races with AsyncCheckpointIO's thread (the rename fails when the file is not there yet)
+        # Lightning's own ddp: the lit_parallel strategies refuse AsyncCheckpointIO (it returns before the file
+        # is written, so the file could not be renamed into place only once complete)
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(checkpoint_io=checkpoint_io)
