@@ -130,6 +130,17 @@ def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint_a
 # --- one rank, in process: a full disk during the background write -----------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """The one-rank Trainers below create the default process group (the strategy keeps it for later
+    Trainers until the process exits): the tests after them in this process expect none."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class _Tiny(L.LightningModule):
     def __init__(self):
         super().__init__()
