@@ -119,8 +119,10 @@ class ReliableCheckpointIO(CheckpointIO):
     ) -> None:
         if _is_remote(path):
             return self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
-        self._progress.saving(path)
         checkpoints = self._reliability.checkpoints if self._reliability is not None else None
+        if checkpoints is not None:
+            checkpoints.raise_failure()  # an earlier background write's failure, before this save is named
+        self._progress.saving(path)
 
         def write(state: dict[str, Any]) -> None:
             atomic_save(
@@ -239,6 +241,8 @@ def save_sharded_checkpoint(
             f" `{type(strategy).__name__}` does not use the `CheckpointIO`."
         )
     path = Path(strategy.broadcast(str(filepath)))
+    if strategy.reliability.checkpoints is not None:
+        strategy.reliability.checkpoints.raise_failure()  # an earlier background write's, before naming this one
     strategy.reliability.progress.saving(path)
     sharded = _compat.saves_distributed_checkpoint(strategy)
     check_replaceable(path, "sharded" if sharded else "file")
