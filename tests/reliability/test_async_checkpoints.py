@@ -22,7 +22,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lit_parallel as lp
 from lit_parallel.checkpoint.background import BackgroundWriter, HostCopy
@@ -31,16 +30,11 @@ from lit_parallel.checkpoint.write import CheckpointWriteError, atomic_save
 from lit_parallel.reliability.async_checkpoints import check_async_checkpoint
 from lit_parallel.reliability.stall import WARMUP_STEPS
 from tests.harness import launch
-from tests.scenarios.async_checkpoints import LAST_ATTEMPT, LINKED, STRATEGIES
+from tests.reference import assert_bitwise
+from tests.scenarios.async_checkpoints import LAST_ATTEMPT, LINKED, STRATEGIES, checkpoints_top1
 
 SC = "tests.scenarios.async_checkpoints"
 REPO = Path(__file__).resolve().parent.parent.parent
-
-
-def _bitwise_state(got: dict, expected: dict, what: str) -> None:
-    assert set(got) == set(expected), f"{what}: keys differ"
-    for k, v in expected.items():
-        assert torch.equal(got[k], v), f"{what}: {k} is not bitwise equal"
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +72,8 @@ def test_an_asynchronous_run_trains_and_resumes_bitwise_as_a_synchronous_one(kil
             ref["async"]["host"],
         )
     ref = outs[0]
-    _bitwise_state(ref["async"]["model"], ref["sync"]["model"], f"{name}: asynchronous run")
-    _bitwise_state(ref["resumed"]["model"], ref["sync"]["model"], f"{name}: resumed from step=4")
+    assert_bitwise(ref["async"]["model"], ref["sync"]["model"], f"{name}: asynchronous run")
+    assert_bitwise(ref["resumed"]["model"], ref["sync"]["model"], f"{name}: resumed from step=4")
     # every save committed; top-1 kept the newest; nothing left under a temporary name
     steps = len(ref["sync"]["losses"])  # tp_dp and pp_dp (one data-parallel replica) take twice the steps
     every = [f"step={s}.ckpt" for s in range(2, steps + 1, 2)]
@@ -124,7 +118,7 @@ def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint_a
             assert before["last_link"] == "step=2.ckpt"
         # resumed from step 2: the rest of the uninterrupted curve
         assert trained["losses"] == sync["losses"][2:], f"rank {rank}: losses differ"
-    _bitwise_state(outs[0]["model"], outs[0]["reference"]["sync"]["model"], f"{name} final parameters")
+    assert_bitwise(outs[0]["model"], outs[0]["reference"]["sync"]["model"], f"{name} final parameters")
 
 
 # --- one rank, in process: a full disk during the background write -----------------------------------------
@@ -176,15 +170,7 @@ def _trainer(tmp_path, callbacks, **strategy_kwargs):
 
 
 def _top1(folder):
-    return ModelCheckpoint(
-        dirpath=folder,
-        filename="{step}",
-        every_n_train_steps=2,
-        save_top_k=1,
-        monitor="step",
-        mode="max",
-        save_last="link",
-    )
+    return checkpoints_top1(folder, "ddp_tuned")  # save_last="link"
 
 
 @pytest.mark.timeout(120)
@@ -229,7 +215,7 @@ def test_a_full_disk_during_a_background_write_fails_the_run_and_keeps_the_previ
     resumed = _Tiny()
     _trainer(tmp_path / "resumed", []).fit(resumed, _data(), ckpt_path=folder / "last.ckpt")
     assert resumed.losses == reference.losses[2:]
-    _bitwise_state(resumed.state_dict(), reference.state_dict(), "resumed after a full disk")
+    assert_bitwise(resumed.state_dict(), reference.state_dict(), "resumed after a full disk")
 
 
 @pytest.mark.timeout(120)

@@ -37,7 +37,8 @@ LINKED = ("ddp_tuned", "hsdp", "pp_dp")
 WRITER = BackgroundWriter().name  # the writer thread's name
 
 
-def _checkpoints(folder: Path, name: str) -> ModelCheckpoint:
+def checkpoints_top1(folder: Path, name: str) -> ModelCheckpoint:
+    """Every 2 steps, keeping the newest; ``last.ckpt`` a link (``LINKED``) or a second save of the state."""
     return ModelCheckpoint(
         dirpath=folder,
         filename="{step}",
@@ -114,7 +115,7 @@ def _fit_one(ctx, index: int, name: str, root: Path) -> dict:
         make_strategy(name, async_checkpoint=True),
         enable_checkpointing=True,
         default_root_dir=folder,
-        callbacks=[_checkpoints(folder, name)],
+        callbacks=[checkpoints_top1(folder, name)],
     )
     with _KillDuringWrite(name, ctx.rank) if _attempt() == index else _Nothing():
         t.fit(model, loader(), ckpt_path="last")
@@ -156,7 +157,7 @@ def _references(ctx, name: str, root: Path) -> dict:
         ctx,
         make_strategy(name, async_checkpoint=True),
         enable_checkpointing=True,
-        callbacks=[_checkpoints(folder, name), every],
+        callbacks=[checkpoints_top1(folder, name), every],
     )
     t.fit(asynchronous, loader())
     checkpoints = t.strategy.reliability.checkpoints
