@@ -47,7 +47,9 @@ check: lint
 # The unit tier and one launch per strategy on $(COMPAT_TORCH_SPEC): two launches cover all six strategies
 # (Lightning's launcher, 2 ranks: ddp_tuned, fsdp_blocks, hsdp, auto_parallel's choices and the paths of an
 # older torch, forced; the shared 4-rank launch: tp_dp as dp2 x tp2 and pp_dp as pp2 x dp2), a third expert
-# parallelism (2 ranks: fsdp_blocks with expert_parallel_size=2 on four MoE models, checkpoints, all-to-all bytes). From scratch
+# parallelism (2 ranks: fsdp_blocks with expert_parallel_size=2 on four MoE models, checkpoints, all-to-all bytes), a fourth
+# asynchronous checkpoints (torchrun, 2 ranks, 5 restarts: a rank killed during a background write under every
+# strategy, then resumed). From scratch
 # (the environment built, ~6 GB) about 4 minutes on 2 cores; docs/reference/versions.md has the matrix.
 COMPAT_LAUNCH_TESTS := \
 	tests/strategies/test_ddp.py::test_registry_name_under_lightnings_own_launcher_matches_single_process \
@@ -56,6 +58,7 @@ COMPAT_LAUNCH_TESTS := \
 	tests/strategies/test_tensor_parallel.py::test_dp2_tp2_matches_single_process_with_accumulation_and_clipping \
 	tests/strategies/test_pipeline.py::test_pp2_dp2_matches_single_process \
 	tests/parallel/expert_parallel/test_expert_parallel.py::test_fsdp_ep2_matches_one_process \
+	tests/reliability/test_async_checkpoints.py::test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint_and_resumes_bitwise \
 	tests/strategies/test_older_torch.py
 
 $(COMPAT_VENV)/.installed: pyproject.toml
