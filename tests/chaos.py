@@ -3,7 +3,7 @@
 Not collected by pytest (its name does not start with ``test_``); it takes minutes. Run from the repository
 root (the disk-full fault mounts a small tmpfs, so it needs root; without root that fault is left out)::
 
-    OMP_NUM_THREADS=1 python tests/chaos.py --runs 40 --seed 2
+    OMP_NUM_THREADS=1 python tests/chaos.py --runs 40 --seed 3
     OMP_NUM_THREADS=1 python tests/chaos.py --runs 20 --seed 2 --faults async_kill9   # only this fault
 
 Each run trains a tiny Llama for ``--steps`` optimizer steps on 2 gloo ranks under one strategy (``ddp_tuned``,
