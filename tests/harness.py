@@ -112,7 +112,7 @@ def _base_env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-_PORT_CLASH = ("Address already in use", "EADDRINUSE", "address already in use")
+PORT_CLASH = ("Address already in use", "EADDRINUSE", "address already in use")
 
 
 def launch(scenarios: list[str] | str, nprocs: int, tmp_path: Path, **kwargs: Any) -> LaunchResult:
@@ -125,7 +125,7 @@ def launch(scenarios: list[str] | str, nprocs: int, tmp_path: Path, **kwargs: An
     """
     expect_failure = kwargs.pop("expect_failure", False)
     result = _launch_once(scenarios, nprocs, tmp_path, **kwargs)
-    if result.failed and any(m in result.output for m in _PORT_CLASH):
+    if result.failed and any(m in result.output for m in PORT_CLASH):
         result = _launch_once(scenarios, nprocs, tmp_path, **kwargs)
     if result.failed and not expect_failure:
         raise DistributedFailure(result.describe_failure())
