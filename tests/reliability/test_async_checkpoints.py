@@ -127,12 +127,16 @@ def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint_a
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     """The one-rank Trainers below create the default process group (the strategy keeps it for later
-    Trainers until the process exits): the tests after them in this process expect none."""
+    Trainers until the process exits) and set MASTER_PORT and the like in this process's environment: the
+    tests after them expect no group, and processes they start must not inherit a port this one holds."""
+    environment = dict(os.environ)
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 class _Tiny(L.LightningModule):
