@@ -245,10 +245,6 @@ class BackgroundWriter:
             jobs = ([self._running] if self._running is not None else []) + list(self._jobs)
             return [j.what for j in jobs if j.kind == "write"]
 
-    def idle(self) -> bool:
-        with self._done:
-            return self._running is None and not self._jobs
-
     def wait_for_writes(self, timeout: float | None = None) -> bool:
         """Block until no write is queued or running; ``False`` if ``timeout`` seconds passed first."""
         return self._wait_until(lambda: not self._writes_pending(), timeout)

@@ -113,6 +113,11 @@ class AsyncCheckpoints:
         """Whether the next save runs in the background (``"auto"``: decided after the first save)."""
         return bool(self._decided)
 
+    def use_async_on_every_rank(self, broadcast: Callable[[Any], Any]) -> bool:
+        """:meth:`use_async`, the same on every rank: ``"auto"`` decides from rank 0's first save, so its
+        decision is broadcast (a collective: every rank calls it); ``True`` needs no agreement."""
+        return self.use_async() if self.setting is True else bool(broadcast(self.use_async()))
+
     def after_synchronous_save(self, seconds: float, step_seconds: list[float], state: Any) -> None:
         """``"auto"``: decide from the first synchronous save that came after at least one timed step."""
         if self.setting != "auto" or self._decided is not None or not step_seconds:
@@ -141,8 +146,8 @@ class AsyncCheckpoints:
 
     def stage(self, state: Any) -> Any:
         """This rank's ``state`` copied to host memory (the training step waits for this only). Waits for the
-        pending writes first unless they read this very state; raises a write that failed before."""
-        self.raise_failure()
+        pending writes first unless they read this very state; raises a write that failed meanwhile (the callers
+        raise an earlier one before they name the save)."""
         if self.host is None:
             self.host = HostCopy(pin_memory=torch.cuda.is_available())
         if self.writer.pending_writes() and self.host.unchanged(state):

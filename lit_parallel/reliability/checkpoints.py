@@ -255,8 +255,8 @@ def save_sharded_checkpoint(
     converted = {"state_dict": checkpoint.pop("state_dict")}
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     checkpoints = strategy.reliability.checkpoints
-    # every rank saves in the same way: rank 0's decision ("auto" decides from rank 0's first save)
-    if checkpoints is not None and strategy.broadcast(checkpoints.use_async()):
+    # every rank saves in the same way
+    if checkpoints is not None and checkpoints.use_async_on_every_rank(strategy.broadcast):
         group = checkpoints.process_group()
         staged = checkpoints.stage({"dcp": converted, "meta": checkpoint})
         meta = staged["meta"] if strategy.is_global_zero else None

@@ -593,15 +593,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
                 )
             if mode != "sync":
                 ratio = result["strategies"][name]["blocked_ratio"][f"{mode}_vs_sync"]
-                left.annotate(
-                    f"{ratio:.0%}",
-                    (x, m["blocked_s"]),
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                    xytext=(0, 2),
-                    textcoords="offset points",
-                )
+                _label(left, f"{ratio:.0%}", (x, m["blocked_s"]))
     left.set_xticks(range(len(names)), names, fontsize=8)
     left.set_ylabel("seconds per save")
     left.set_title("training blocked per save (label: share of the synchronous save)", fontsize=9)
@@ -621,15 +613,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
                 label="a write pending" if i == 0 else None,
             )
             if m["slowdown"] is not None:
-                right.annotate(
-                    f"x{m['slowdown']:.2f}",
-                    (i + 0.2, m["step_during_write_s"] * 1e3),
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                    xytext=(0, 2),
-                    textcoords="offset points",
-                )
+                _label(right, f"x{m['slowdown']:.2f}", (i + 0.2, m["step_during_write_s"] * 1e3))
     right.set_xticks(range(len(names)), names, fontsize=8)
     right.set_ylabel("ms")
     right.set_title("median step, async_checkpoint=True runs", fontsize=9)
@@ -645,6 +629,11 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _label(ax: Any, text: str, xy: tuple[float, float]) -> None:
+    """A small label just above a bar."""
+    ax.annotate(text, xy, ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
 
 
 if __name__ == "__main__":
