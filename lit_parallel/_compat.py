@@ -137,6 +137,12 @@ ENTRIES: dict[str, Entry] = {
         " independent reference measure/live_memory.LiveMemory is checked against",
         "torch.cuda.max_memory_allocated (CUDA only: torch keeps no allocator statistics for CPU memory)",
     ),
+    "FakeStore": Entry(
+        "torch.testing._internal.distributed.fake_pg:FakeStore",
+        "parallel/simulated: the store of a simulated process group (importing its module registers torch's"
+        " fake backend, which answers every collective without communicating): advise --dry-run",
+        "none (the fake backend is registered only by this module)",
+    ),
     # --- torch: accessors -----------------------------------------------------------------------------
     "all_process_groups": Entry(
         f"{_C10D}:_world", "reliability: every process group of this rank", attributes=("pg_map",)
@@ -145,6 +151,18 @@ ENTRIES: dict[str, Entry] = {
         "torch.distributed.device_mesh:DeviceMesh",
         "parallel/mesh: the flattened data_parallel dimension of (replicate, shard)",
         attributes=("_flatten",),
+    ),
+    "fsdp_params": Entry(
+        "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam",
+        "planner/dry_run: the bytes FSDP2 stores for a parameter on this rank (its shard padded along dim 0),"
+        " which the DTensor's local tensor (unpadded) does not show",
+        "none (DTensor.to_local() is the unpadded view of the padded storage)",
+        attributes=("padded_sharded_param_size", "sharded_param", "_param_fqn"),
+    ),
+    "fsdp_state": Entry(
+        "torch.distributed.fsdp:FSDPModule",
+        "planner/dry_run: a module's FSDP2 state, to reach its parameter group (fsdp_params)",
+        attributes=("_get_fsdp_state",),
     ),
     "storage_key": Entry(
         "torch:UntypedStorage",
@@ -574,6 +592,20 @@ def all_process_groups() -> list[Any]:
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """The 1-D mesh spanning all dimensions of ``mesh`` (a sub-mesh), named ``name``."""
     return mesh._flatten(name)
+
+
+def fsdp_params(module: Any) -> list[Any]:
+    """FSDP2's records of the parameters of every ``fully_shard``-ed module in ``module`` (``FSDPParam``: its
+    ``sharded_param`` and ``padded_sharded_param_size``), in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    check("fsdp_params")
+    records = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            records.extend(group.fsdp_params if group is not None else ())
+    return records
 
 
 def storage_key(tensor: Any) -> int:

@@ -50,7 +50,11 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
             "lit_parallel.planner.model_summary",
         ),
         ("lit_parallel.planner.activations",),
-        ("lit_parallel.planner.fused_attention", "lit_parallel.planner.precision"),
+        (
+            "lit_parallel.planner.fused_attention",
+            "lit_parallel.planner.precision",
+            "lit_parallel.planner.dry_run",
+        ),
     ),
 }
 

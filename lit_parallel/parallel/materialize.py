@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lit_parallel._compat import TorchDispatchMode, storage_key, tree_flatten
+from lit_parallel.parallel.simulated import is_simulated
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -72,7 +73,7 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], chunk_bytes: int | Non
     """Make every rank's copy of ``tensors`` equal rank 0's, with at most ``chunk_bytes`` (default
     :data:`SYNC_CHUNK_BYTES`) of extra memory at any moment (a non-contiguous tensor larger than that is
     copied whole once; parameters and buffers are contiguous)."""
-    if not _distributed():
+    if not _distributed() or is_simulated():  # a simulated world holds no data to copy
         return
     cap = int(chunk_bytes or SYNC_CHUNK_BYTES)
     if cap <= 0:
@@ -366,6 +367,10 @@ def materialize_blocks(
     (as DDP does), so ranks cannot start from different initialisations, with at most ``chunk_bytes`` of
     extra memory (see :func:`broadcast_from_rank0`).
     """
+    if is_simulated():
+        # a dry run (lit_parallel.parallel.simulated): the model stays on the meta device, nothing is copied
+        yield from blocks
+        return
     block_ids = {id(b) for b in blocks}
     inside = {id(m) for b in blocks for m in b.modules()}
     meta = has_meta(module)
@@ -419,6 +424,8 @@ def materialize_owned(
     random numbers drawn after it are those of a whole-model initialisation, then returned to the meta
     device at once: besides its own pieces a rank holds at most one other module at a time.
     """
+    if is_simulated():
+        return  # a dry run: every piece stays on the meta device (lit_parallel.parallel.simulated)
     kept, every = set(pieces), set(all_pieces)
 
     def owner(path: str) -> str | None:

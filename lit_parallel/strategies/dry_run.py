@@ -1,0 +1,327 @@
+"""A dry run of a strategy's real setup on a simulated cluster of any size, in one process.
+
+:func:`dry_run` builds the strategy and a ``lightning.Trainer`` for the cluster shape (the Trainer's
+constructor runs the strategy's own checks of sizes and precision), then, for each chosen rank, makes this
+process that rank of a simulated world (:func:`~lit_parallel.parallel.simulated.simulated_world`: torch's fake
+backend, nothing communicated), connects the model built on the meta device (the strategy's model checks:
+blocks, tensor-parallel plan, pipeline split, experts) and runs the strategy's own ``_parallelize`` on the
+device mesh it builds. The model stays on the meta device (nothing is materialised while the world is
+simulated), and the parameters are left with the placements and local shapes they would have on that rank;
+:func:`~lit_parallel.planner.dry_run.rank_state` reads them. An error the setup raises is reported with its
+message (the strategies' messages name the value, the rule and the fix) instead of propagating.
+
+``ddp_tuned`` replicates the model: its dry run runs the Trainer's checks and counts the whole model (DDP
+itself cannot wrap a meta-device module). ``auto_parallel`` is dry-run as the strategy it chooses for the
+model and cluster (its decision, from the advisor's rules, is reported).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+
+from lit_parallel._compat import set_device_mesh
+from lit_parallel.parallel.mesh import PP
+from lit_parallel.parallel.simulated import simulated_world
+from lit_parallel.planner.dry_run import RankState, rank_state
+
+STRATEGIES = ("ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
+
+
+@dataclass
+class DryRun:
+    """What the dry run of one strategy found.
+
+    Attributes:
+        strategy: the strategy's registry name (for ``auto_parallel``: the one it chose).
+        kwargs: the arguments it was built with.
+        world_size: ranks simulated.
+        mesh: the mesh, in words (``None`` when the setup failed before it).
+        ranks: the state of each rank dry-run, in the order run (empty when the setup failed).
+        error: the error the real setup would raise (``"ValueError: ..."``), or ``None``.
+        log: what the strategy logged at setup on the first rank (its plans: blocks, tensor-parallel split,
+            pipeline stages, experts).
+        seconds: wall time of the whole dry run.
+        decision: ``auto_parallel``'s decision in words, when it chose.
+    """
+
+    strategy: str
+    kwargs: dict[str, Any]
+    world_size: int
+    mesh: str | None = None
+    ranks: list[RankState] = field(default_factory=list)
+    error: str | None = None
+    log: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    decision: str | None = None
+
+    @property
+    def largest(self) -> RankState | None:
+        """The rank holding the most state."""
+        return max(self.ranks, key=lambda r: r.state_bytes, default=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        largest = self.largest
+        return {
+            "strategy": self.strategy,
+            "kwargs": {
+                k: repr(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
+                for k, v in self.kwargs.items()
+            },
+            "world_size": self.world_size,
+            "mesh": self.mesh,
+            "error": self.error,
+            "decision": self.decision,
+            "seconds": self.seconds,
+            "ranks": [r.as_dict() for r in self.ranks],
+            "largest_rank": largest.rank if largest is not None else None,
+            "log": self.log,
+        }
+
+
+class _Wrapped(L.LightningModule):
+    """A plain ``nn.Module`` as the strategies take it; its parameters are named ``model.<name>``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def pipeline_loss(self, output: Any, targets: Any) -> torch.Tensor:  # pp_dp's hook (never run here)
+        raise NotImplementedError("a dry run runs no step")
+
+
+@contextmanager
+def _quiet() -> Iterator[list[str]]:
+    """Lightning's banner and warnings silenced; what lit_parallel logs at INFO collected instead."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    ours, handler = logging.getLogger("lit_parallel"), Collect(logging.INFO)
+    lightning = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning")]
+    saved = (ours.level, ours.propagate, [lg.level for lg in lightning], rank_zero_only.rank, ours.handlers[:])
+    ours.handlers = [handler]
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+    for lg in lightning:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield lines
+    finally:
+        ours.handlers = saved[4]
+        ours.setLevel(saved[0])
+        ours.propagate = saved[1]
+        for lg, level in zip(lightning, saved[2]):
+            lg.setLevel(level)
+        rank_zero_only.rank = saved[3]
+
+
+def _build(
+    name: str, kwargs: dict[str, Any], devices: int, num_nodes: int, precision: str
+) -> tuple[Any, L.Trainer]:
+    from lit_parallel.strategies.auto import CANDIDATES
+
+    strategy = CANDIDATES[name](**kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return strategy, trainer
+
+
+def _as_lightning(model: nn.Module) -> L.LightningModule:
+    return model if isinstance(model, L.LightningModule) else _Wrapped(model)
+
+
+def positions(mesh: Any) -> list[tuple[int, dict[str, int]]]:
+    """The distinct rank positions of ``mesh``: every pipeline stage, and the first and last coordinate of each
+    other dimension (a shard of uneven rows is largest on the first rank and smallest on the last); as
+    ``(global rank, {dimension: coordinate})``, rank 0 first."""
+    names = mesh.mesh_dim_names
+    choices = [
+        range(size) if name == PP else sorted({0, size - 1}) for name, size in zip(names, mesh.mesh.shape)
+    ]
+    out = []
+    for coords in itertools.product(*choices):
+        out.append((int(mesh.mesh[coords].item()), dict(zip(names, coords))))
+    return out
+
+
+def _setup_rank(
+    name: str,
+    kwargs: dict[str, Any],
+    factory: Callable[[], nn.Module],
+    devices: int,
+    num_nodes: int,
+    precision: str,
+    rank: int,
+) -> tuple[nn.Module, Any, list[nn.Module]]:
+    """The strategy's setup as rank ``rank`` of the simulated world: returns the module, the mesh and the
+    modules sharded apart from it (``pp_dp``'s stages)."""
+    strategy, trainer = _build(name, kwargs, devices, num_nodes, precision)
+    world = devices * num_nodes
+    strategy.cluster_environment.set_global_rank(rank)
+    strategy.cluster_environment.set_world_size(world)
+    rank_zero_only.rank = rank
+    module = _as_lightning(factory())
+    module.trainer = trainer
+    strategy.connect(module)
+    if name == "ddp_tuned":
+        return strategy.precision_plugin.convert_module(module), None, []
+    mesh = strategy.parallel_dims.build_mesh("cpu")
+    strategy._device_mesh = mesh
+    set_device_mesh(module, mesh)
+    strategy._parallelize()
+    return strategy.model, mesh, list(getattr(strategy, "_stages", ()))
+
+
+def dry_run(
+    model: Callable[[], nn.Module],
+    strategy: str,
+    *,
+    devices: int,
+    num_nodes: int = 1,
+    precision: str = "bf16-mixed",
+    strategy_kwargs: dict[str, Any] | None = None,
+    ranks: Sequence[int] | str = "positions",
+    memory_gb: float = 80.0,
+) -> DryRun:
+    """Run ``strategy``'s setup for ``model`` on a simulated cluster of ``num_nodes`` x ``devices`` ranks.
+
+    Args:
+        model: builds the model on the meta device (called once per rank dry-run), an ``nn.Module`` or a
+            ``LightningModule``.
+        strategy: a registry name: ``ddp_tuned``, ``fsdp_blocks``, ``hsdp``, ``tp_dp``, ``pp_dp`` or
+            ``auto_parallel`` (dry-run as the strategy it chooses).
+        strategy_kwargs: the strategy's arguments (``{"tensor_parallel_size": 8}``, ...).
+        ranks: the global ranks to dry-run, ``"positions"`` (every distinct position: :func:`positions`) or
+            ``"first"`` (rank 0 only).
+        memory_gb: the memory of one device ``auto_parallel`` decides with.
+    """
+    from lit_parallel.strategies.auto import CANDIDATES
+
+    start = time.perf_counter()
+    kwargs = dict(strategy_kwargs or {})
+    world = devices * num_nodes
+    known = (*STRATEGIES, "auto_parallel")
+    if strategy not in known:
+        raise ValueError(f"strategy={strategy!r} is not one a dry run knows; use one of {', '.join(known)}")
+    if isinstance(ranks, str) and ranks not in ("positions", "first"):
+        raise ValueError(f"ranks={ranks!r} must be 'positions', 'first' or a list of global ranks")
+    if not isinstance(ranks, str):
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world]
+        if bad or not ranks:
+            raise ValueError(f"ranks={list(ranks)!r} must be global ranks of the world, 0 to {world - 1}")
+    out = DryRun(strategy, kwargs, world)
+    with _quiet() as lines:
+        try:
+            if strategy == "auto_parallel":
+                out.strategy, extra, out.decision = _auto_choice(
+                    model, devices, num_nodes, precision, memory_gb
+                )
+                out.kwargs = kwargs = {**extra, **kwargs}
+            assert out.strategy in CANDIDATES
+            _run_ranks(out, model, devices, num_nodes, precision, ranks, lines)
+        except Exception as err:  # noqa: BLE001 - the error is the report: what the real setup would raise
+            out.error = f"{type(err).__name__}: {err}"
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _run_ranks(
+    out: DryRun,
+    factory: Callable[[], nn.Module],
+    devices: int,
+    num_nodes: int,
+    precision: str,
+    ranks: Sequence[int] | str,
+    lines: list[str],
+) -> None:
+    world = devices * num_nodes
+    # the Trainer's constructor runs the strategy's checks of sizes and precision, before any process group
+    strategy, _ = _build(out.strategy, out.kwargs, devices, num_nodes, precision)
+    if out.strategy != "ddp_tuned":
+        out.mesh = strategy.parallel_dims.describe()
+    todo: list[tuple[int, dict[str, int]] | None] = [None]  # rank 0 first: it finds the positions
+    explicit = [] if isinstance(ranks, str) else list(ranks)
+    done: set[int] = set()
+    while todo:
+        item = todo.pop(0)
+        rank, coords = (explicit[0] if explicit else 0, {}) if item is None else item
+        if rank in done:
+            continue
+        first = not out.ranks
+        with simulated_world(world, rank):
+            module, mesh, stages = _setup_rank(out.strategy, out.kwargs, factory, devices, num_nodes, precision, rank)
+            if mesh is not None:
+                coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate() or ()))
+                if item is None:
+                    if ranks == "positions":
+                        todo.extend(p for p in positions(mesh) if p[0] != rank)
+                    elif explicit:
+                        todo.extend((r, {}) for r in explicit[1:])
+            # FSDP2's root group lives on the wrapper: read the whole module, name parameters as the user does
+            prefix = "model." if isinstance(module, _Wrapped) else ""
+            state = rank_state(module, rank, coords, prefix=prefix, sharded_by=stages)
+        if first:
+            out.log = list(lines)
+        out.ranks.append(state)
+        done.add(rank)
+
+
+def _auto_choice(
+    factory: Callable[[], nn.Module], devices: int, num_nodes: int, precision: str, memory_gb: float
+) -> tuple[str, dict[str, Any], str]:
+    """The strategy ``auto_parallel`` chooses for the model and cluster, its arguments, and why."""
+    from lit_parallel.strategies.auto import AutoStrategy, strategy_choice
+
+    strategy = AutoStrategy(memory_gb=memory_gb)
+    L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = _as_lightning(factory())
+    advice = strategy.decide(module)
+    name, extra = strategy_choice(advice, module)
+    why = (
+        "the model has no parameters"
+        if advice is None
+        else f"rule {advice.rule.number if advice.rule else '?'}"
+    )
+    return (
+        name,
+        extra,
+        f"auto_parallel chose {name}{'(' + ', '.join(f'{k}={v!r}' for k, v in extra.items()) + ')' if extra else ''} ({why})",
+    )
