@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ class ModelSummary:
         largest_block_expert_params: of ``largest_block_params``, those that are experts.
         param_tensors: trainable parameter tensors (AdamW keeps a step counter for each).
         buffer_bytes: bytes of the persistent buffers (those in the state dict).
+        module: the module measured (on the meta device when built from a class), for the per-tensor state
+            formulas (:mod:`lit_parallel.planner.memory.rank_state`); not part of comparisons.
     """
 
     name: str
@@ -43,6 +45,7 @@ class ModelSummary:
     largest_block_expert_params: int = 0
     param_tensors: int = 0
     buffer_bytes: int = 0
+    module: nn.Module | None = field(default=None, repr=False, compare=False)
 
 
 def load_model_class(path: str) -> type:
@@ -196,6 +199,7 @@ def summarize_model(
             for t in module.state_dict(keep_vars=True).values()
             if t is not None and not isinstance(t, nn.Parameter)
         ),
+        module=module,
     )
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from torch import nn
 from lit_parallel.formatting import GB, divisors, format_bytes
 from lit_parallel.parallel.pipeline.plan import bubble_fraction
 from lit_parallel.planner.activations import ActivationEstimate, estimate_activations
+from lit_parallel.planner.memory.rank_state import exact_rows
 from lit_parallel.planner.memory.table import (
     MemoryRow,
     StateRow,
@@ -622,6 +623,7 @@ def advise(
         bytes_,
         memory_headroom,
         device_type,
+        block_types,
     )
     _apply_rules(advice)
     return advice
@@ -646,6 +648,7 @@ def _measure(
     bytes_: PrecisionBytes,
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
     device_type: str | None = None,
+    block_types: Any = "auto",
 ) -> Advice:
     """The advice before the rules: the counts checked, the device memory, and the memory table."""
     params, block_params = _checked_counts(params, block_params)
@@ -684,6 +687,20 @@ def _measure(
         buffer_bytes=summary.buffer_bytes if summary is not None else 0,
         device_type=device_type,
     )
+    if summary is not None and summary.module is not None:
+        # the model's shapes are known: each row is the state of the rank holding the most (padded shards,
+        # what tensor parallelism replicates), as a dry run of the strategy finds it
+        advice.rows, notes = exact_rows(
+            advice.rows,
+            summary.module,
+            devices=devices,
+            nodes=nodes,
+            precision=precision,
+            memory_bytes=usable,
+            block_types=block_types,
+            expert_parallel=ep,
+        )
+        advice.model = replace(summary, notes=(*summary.notes, *notes))
     return advice
 
 

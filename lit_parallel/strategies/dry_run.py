@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from lit_parallel._compat import set_device_mesh
-from lit_parallel.parallel.mesh import PP
+from lit_parallel.parallel.mesh import DP_REPLICATE, PP
 from lit_parallel.parallel.simulated import simulated_world
 from lit_parallel.planner.dry_run import RankState, rank_state
 
@@ -54,6 +54,8 @@ class DryRun:
             pipeline stages, experts).
         seconds: wall time of the whole dry run.
         decision: ``auto_parallel``'s decision in words, when it chose.
+        sizes: the mesh's sizes (``world``, ``data_parallel_replicate``, ``data_parallel_shard``,
+            ``tensor_parallel``, ``pipeline_parallel``, ``expert_parallel``).
     """
 
     strategy: str
@@ -65,6 +67,7 @@ class DryRun:
     log: list[str] = field(default_factory=list)
     seconds: float = 0.0
     decision: str | None = None
+    sizes: dict[str, int] = field(default_factory=dict)
 
     @property
     def largest(self) -> RankState | None:
@@ -81,6 +84,7 @@ class DryRun:
             },
             "world_size": self.world_size,
             "mesh": self.mesh,
+            "sizes": self.sizes,
             "error": self.error,
             "decision": self.decision,
             "seconds": self.seconds,
@@ -159,12 +163,13 @@ def _as_lightning(model: nn.Module) -> L.LightningModule:
 
 
 def positions(mesh: Any) -> list[tuple[int, dict[str, int]]]:
-    """The distinct rank positions of ``mesh``: every pipeline stage, and the first and last coordinate of each
-    other dimension (a shard of uneven rows is largest on the first rank and smallest on the last); as
-    ``(global rank, {dimension: coordinate})``, rank 0 first."""
+    """The distinct rank positions of ``mesh``: every pipeline stage, the first replica (replicas hold the same),
+    and the first and last coordinate of each other dimension (a shard of uneven rows is largest on the first
+    rank and smallest on the last); as ``(global rank, {dimension: coordinate})``, rank 0 first."""
     names = mesh.mesh_dim_names
     choices = [
-        range(size) if name == PP else sorted({0, size - 1}) for name, size in zip(names, mesh.mesh.shape)
+        range(size) if name == PP else [0] if name == DP_REPLICATE else sorted({0, size - 1})
+        for name, size in zip(names, mesh.mesh.shape)
     ]
     out = []
     for coords in itertools.product(*choices):
@@ -266,7 +271,18 @@ def _run_ranks(
     # the Trainer's constructor runs the strategy's checks of sizes and precision, before any process group
     strategy, _ = _build(out.strategy, out.kwargs, devices, num_nodes, precision)
     if out.strategy != "ddp_tuned":
-        out.mesh = strategy.parallel_dims.describe()
+        dims = strategy.parallel_dims
+        out.mesh = dims.describe()
+        out.sizes = {
+            "world": dims.world_size,
+            "data_parallel_replicate": dims.data_parallel_replicate,
+            "data_parallel_shard": dims.data_parallel_shard,
+            "tensor_parallel": dims.tensor_parallel,
+            "pipeline_parallel": dims.pipeline_parallel,
+            "expert_parallel": dims.expert_parallel,
+        }
+    else:
+        out.sizes = {"world": world, "data_parallel_replicate": world, "data_parallel_shard": 1}
     todo: list[tuple[int, dict[str, int]] | None] = [None]  # rank 0 first: it finds the positions
     explicit = [] if isinstance(ranks, str) else list(ranks)
     done: set[int] = set()

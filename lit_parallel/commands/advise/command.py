@@ -150,6 +150,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " example_input_array that does not start with an embedding)",
     )
     _add_prediction_arguments(p)
+    from lit_parallel.commands.advise.dry_run import add_arguments as add_dry_run_arguments
+
+    add_dry_run_arguments(p)
 
 
 def _add_prediction_arguments(p: argparse.ArgumentParser) -> None:
@@ -222,6 +225,10 @@ def run(args: argparse.Namespace) -> int:
         )
     args.precision = canonical_precision(args.precision)
     args.input_shape = parse_shape(args.input_shape)
+    if args.dry_run:
+        from lit_parallel.commands.advise.dry_run import run as run_dry
+
+        return run_dry(args, parse_model_kwargs(args.model_kwargs))
     _check_prediction_arguments(args)
     if args.model and args.block_params:
         raise ValueError("--block-params goes with --params; with --model the blocks are found in the model")

@@ -283,6 +283,13 @@ def plan_pipeline(
     weights[0] += sum(count[n] for n in prefix)
     weights[-1] += sum(count[n] for n in suffix)
     if split == "auto":
+        if num_stages > len(names):
+            raise ValueError(
+                f"pipeline_parallel_size={pp_size} with schedule={schedule!r} ({per_rank} stage(s) per rank) makes"
+                f" {num_stages} stages, but the model has {len(names)} blocks and every stage needs at least one;"
+                f" choose pipeline_parallel_size of at most {len(names) // per_rank}"
+                + (" or a schedule with one stage per rank (1F1B, GPipe)" if per_rank > 1 else "")
+            )
         starts, how = balanced_split(weights, num_stages), "auto (balanced by parameter count)"
     else:
         starts, how = _starts_from_names(split, names, num_stages), "by name"

@@ -12,8 +12,9 @@ For the rank holding the most (rank 0: a shard of uneven rows is largest there),
 - ``tp_dp``: one tensor-parallel rank's shapes (:func:`~lit_parallel.planner.memory.tensor_parallel.tp_local_model`:
   a column-wise layer keeps ``out / tp`` rows, a row-wise one ``in / tp`` columns, norms and other layers the
   plan leaves whole are replicated), then padded over the data-parallel shard ranks;
-- ``pp_dp``: the parameters of the first stage's pieces (the pipeline plan), split as ``tp_dp``'s when
-  ``tensor_parallel_size > 1``, padded over the stage's data-parallel shard ranks.
+- ``pp_dp``: the parameters of the pieces of one pipeline rank's stages (the pipeline plan), split as
+  ``tp_dp``'s when ``tensor_parallel_size > 1``, padded over the stage's data-parallel shard ranks; the
+  pipeline rank holding the most is the one counted.
 
 Bytes follow ZeRO's accounting of the precision (:mod:`lit_parallel.planner.precision`): per element
 ``params`` + ``grads`` + ``optimizer`` bytes; frozen parameters count their parameter bytes only.
@@ -22,12 +23,14 @@ Bytes follow ZeRO's accounting of the precision (:mod:`lit_parallel.planner.prec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from torch import nn
 
 from lit_parallel.parallel.tensor_parallel import TPPlan
 from lit_parallel.planner.memory.peak import ModelShape, shard_elements
+from lit_parallel.planner.memory.table import MemoryRow
 from lit_parallel.planner.memory.tensor_parallel import tp_local_model
 from lit_parallel.planner.precision import precision_bytes
 
@@ -132,3 +135,113 @@ def pipeline_state(
     params = _piece_params(module, pieces)
     trainable = _padded_share([p for p in params if p.requires_grad], data_parallel_shard)
     return _state(_padded_share(params, data_parallel_shard), trainable, precision)
+
+
+def predicted_state(
+    strategy: str,
+    module: nn.Module,
+    sizes: dict[str, int],
+    *,
+    precision: str,
+    block_types: Any = "auto",
+    pipeline: dict[str, Any] | None = None,
+) -> StateFormula:
+    """The planner's state of the rank holding the most under ``strategy`` (a registry name) for a layout given
+    by its mesh ``sizes`` (``world``, ``data_parallel_shard``, ``tensor_parallel``, ``expert_parallel``):
+    the formulas above, with the blocks, the tensor-parallel plan and the pipeline split (``pipeline``: the
+    ``pp_dp`` arguments ``pipeline_parallel_size``, ``schedule``, ``microbatches``, ``split``; the pipeline rank
+    holding the most is counted) found by the same functions the strategies call."""
+    from lit_parallel.parallel.blocks import find_transformer_blocks
+    from lit_parallel.parallel.pipeline.plan import plan_pipeline
+    from lit_parallel.parallel.tensor_parallel import plan_from_spec
+
+    if strategy == "ddp_tuned":
+        return ddp_state(module, precision=precision)
+    blocks = find_transformer_blocks(module, block_types)
+    shard, tp = sizes["data_parallel_shard"], sizes.get("tensor_parallel", 1)
+    ep = sizes.get("expert_parallel", 1)
+    if strategy in ("fsdp_blocks", "hsdp"):
+        return fsdp_state(
+            module, [b for _, b in blocks.blocks], shard=shard, precision=precision, expert_parallel=ep
+        )
+    plan = plan_from_spec(module, "auto", tp, block_types=blocks) if tp > 1 else None
+    if strategy == "tp_dp":
+        assert plan is not None, "tp_dp splits over tensor_parallel > 1"
+        return tensor_parallel_state(module, plan, data_parallel_shard=shard, precision=precision)
+    if strategy == "pp_dp":
+        args = dict(pipeline or {})
+        layout = plan_pipeline(
+            module,
+            blocks,
+            pp_size=args.get("pipeline_parallel_size", 2),
+            schedule=args.get("schedule", "1F1B"),
+            microbatches=args.get("microbatches", 4),
+            split=args.get("split", "auto"),
+        )
+        per_rank = [
+            pipeline_state(
+                module,
+                [p for s in layout.stages_of(rank) for p in s.pieces],
+                data_parallel_shard=shard,
+                precision=precision,
+                plan=plan,
+            )
+            for rank in range(layout.pp_size)
+        ]
+        return max(per_rank, key=lambda f: f.state_bytes)
+    raise ValueError(
+        f"strategy={strategy!r}: no state formula; one of ddp_tuned, fsdp_blocks, hsdp, tp_dp, pp_dp"
+    )
+
+
+def exact_rows(
+    rows: list[MemoryRow],
+    module: nn.Module,
+    *,
+    devices: int,
+    nodes: int,
+    precision: str,
+    memory_bytes: float,
+    block_types: Any = "auto",
+    expert_parallel: int = 1,
+) -> tuple[list[MemoryRow], list[str]]:
+    """``advise``'s memory table for a model whose shapes are known: each strategy's row with the state of the
+    rank holding the most, by the formulas above (padded shards, the tensor-parallel plan's replicated
+    parameters), instead of ZeRO's even division; ``fits`` judged again. Returns the rows and notes (a row
+    kept as divided, and why)."""
+    from lit_parallel.parallel.blocks import NoBlocksFoundError
+    from lit_parallel.parallel.tensor_parallel import TPPlanError
+
+    world = devices * nodes
+    b = precision_bytes(precision)
+    gathered = sum(p.numel() for p in _unique(module)) * b.params  # ZeRO-2 keeps every parameter gathered
+    notes: list[str] = []
+    layouts = {
+        "DDP": ("ddp_tuned", {}),
+        "ZeRO-2": ("fsdp_blocks", {"data_parallel_shard": world}),
+        "FSDP/ZeRO-3": ("fsdp_blocks", {"data_parallel_shard": world}),
+        "FSDP+EP": ("fsdp_blocks", {"data_parallel_shard": world, "expert_parallel": expert_parallel}),
+        "HSDP": ("hsdp", {"data_parallel_shard": devices}),
+        "TP+DP": ("tp_dp", {"data_parallel_shard": nodes, "tensor_parallel": devices}),
+    }
+    out = []
+    for row in rows:
+        if row.name not in layouts or (row.name == "TP+DP" and devices == 1):
+            out.append(row)
+            continue
+        strategy, sizes = layouts[row.name]
+        try:
+            f = predicted_state(strategy, module, sizes, precision=precision, block_types=block_types)
+        except (TPPlanError, NoBlocksFoundError, ValueError) as err:
+            notes.append(f"{row.name}: state divided evenly ({str(err).splitlines()[0]})")
+            out.append(row)
+            continue
+        params = f.param_bytes + (gathered if row.name == "ZeRO-2" else 0.0)
+        state = params + f.grad_bytes + f.optimizer_bytes
+        fits = state + (row.activation_bytes or 0.0) <= memory_bytes
+        out.append(
+            replace(
+                row, param_bytes=params, grad_bytes=f.grad_bytes, optimizer_bytes=f.optimizer_bytes, fits=fits
+            )
+        )
+    return out, notes

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lit_parallel.parallel.blocks import find_transformer_blocks
 from lit_parallel.parallel.pipeline.plan import plan_pipeline
+from lit_parallel.parallel.simulated import simulated_world
 from lit_parallel.parallel.tensor_parallel import plan_from_spec
 from lit_parallel.planner.memory import rank_state as formulas
 from lit_parallel.strategies.dry_run import dry_run
@@ -83,12 +84,22 @@ def test_sharded_state_equals_the_formulas_at_every_world_size(world, precision)
         ),
     }
     for name, (kwargs, formula) in runs.items():
-        run = dry_run(llama, name, devices=devices, num_nodes=nodes, precision=precision, strategy_kwargs=kwargs, ranks="first")
+        run = dry_run(
+            llama,
+            name,
+            devices=devices,
+            num_nodes=nodes,
+            precision=precision,
+            strategy_kwargs=kwargs,
+            ranks="first",
+        )
         assert run.error is None, (name, run.error)
         (rank0,) = run.ranks
         _check(rank0, formula, precision)
     # by hand, for fsdp_blocks: each parameter's rows padded to a multiple of the world, one share per rank
-    hand = sum(math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) for p in dict.fromkeys(model.parameters()))
+    hand = sum(
+        math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) for p in dict.fromkeys(model.parameters())
+    )
     fsdp = dry_run(llama, "fsdp_blocks", devices=devices, num_nodes=nodes, precision="32-true", ranks="first")
     assert fsdp.ranks[0].param_bytes == 4 * hand
 
@@ -100,10 +111,22 @@ def test_pipeline_stage_state_equals_the_formula(world):
     blocks = find_transformer_blocks(model, "auto")
     plan = plan_pipeline(model, blocks, pp_size=2, schedule="1F1B", microbatches=2)
     kwargs = {"pipeline_parallel_size": 2, "microbatches": 2}
-    run = dry_run(llama, "pp_dp", devices=devices, num_nodes=nodes, precision="32-true", strategy_kwargs=kwargs, ranks="first")
+    run = dry_run(
+        llama,
+        "pp_dp",
+        devices=devices,
+        num_nodes=nodes,
+        precision="32-true",
+        strategy_kwargs=kwargs,
+        ranks="first",
+    )
     assert run.error is None, run.error
     pieces = plan.stages[0].pieces
-    _check(run.ranks[0], formulas.pipeline_state(model, pieces, data_parallel_shard=world // 2, precision="32-true"), "32-true")
+    _check(
+        run.ranks[0],
+        formulas.pipeline_state(model, pieces, data_parallel_shard=world // 2, precision="32-true"),
+        "32-true",
+    )
 
 
 @pytest.mark.parametrize("world", [8, 64, 512, 4096])
@@ -112,6 +135,201 @@ def test_expert_parallel_state_equals_the_formula(world):
     model = moe()
     blocks = [b for _, b in find_transformer_blocks(model, "auto").blocks]
     formula = formulas.fsdp_state(model, blocks, shard=world, precision="32-true", expert_parallel=2)
-    run = dry_run(moe, "fsdp_blocks", devices=devices, num_nodes=nodes, precision="32-true", strategy_kwargs={"expert_parallel_size": 2}, ranks="first")
+    run = dry_run(
+        moe,
+        "fsdp_blocks",
+        devices=devices,
+        num_nodes=nodes,
+        precision="32-true",
+        strategy_kwargs={"expert_parallel_size": 2},
+        ranks="first",
+    )
     assert run.error is None, run.error
     _check(run.ranks[0], formula, "32-true")
+
+
+@pytest.mark.parametrize(
+    ("factory", "strategy", "kwargs", "nodes", "says"),
+    [
+        # the mesh does not multiply to the world size
+        (
+            llama,
+            "tp_dp",
+            {"tensor_parallel_size": 3},
+            1,
+            ["tensor_parallel_size(3)", "choose sizes whose product divides 8"],
+        ),
+        # tensor parallelism splitting heads unevenly (4 query heads, 2 key/value heads)
+        (
+            llama,
+            "tp_dp",
+            {"tensor_parallel_size": 8},
+            64,
+            ["tensor_parallel_size=8 cannot split", "Choose tensor_parallel_size from 1 or 2"],
+        ),
+        # more pipeline stages than blocks
+        (llama, "pp_dp", {"pipeline_parallel_size": 8, "microbatches": 8}, 64, ["4 blocks", "at most 4"]),
+        (
+            llama,
+            "pp_dp",
+            {"pipeline_parallel_size": 4, "schedule": "Interleaved1F1B", "microbatches": 8},
+            64,
+            ["makes 8 stages", "at most 2", "one stage per rank"],
+        ),
+        # expert parallelism over a size that does not divide the data-parallel ranks
+        (
+            moe,
+            "fsdp_blocks",
+            {"expert_parallel_size": 3},
+            64,
+            ["expert_parallel=3 does not divide", "choose 1, 2, 4"],
+        ),
+        (
+            llama,
+            "fsdp_blocks",
+            {"block_types": {"NoSuchBlock"}},
+            8,
+            ["names no module", "block_types='auto'"],
+        ),
+    ],
+)
+def test_setup_errors_at_scale_are_reported_with_their_fix(factory, strategy, kwargs, nodes, says):
+    run = dry_run(factory, strategy, devices=8, num_nodes=nodes, strategy_kwargs=kwargs, ranks="first")
+    assert run.error is not None and run.ranks == []
+    for words in says:
+        assert words in run.error, run.error
+
+
+def test_every_distinct_position_is_dry_run_and_the_last_rank_holds_the_short_shards():
+    # pp_dp over 64 ranks: 2 stages x 32 data-parallel ranks: the first and last rank of each stage
+    run = dry_run(
+        llama,
+        "pp_dp",
+        devices=8,
+        num_nodes=8,
+        precision="32-true",
+        strategy_kwargs={"pipeline_parallel_size": 2, "microbatches": 2},
+    )
+    assert run.error is None, run.error
+    assert [
+        (r.rank, r.coordinates["pipeline_parallel"], r.coordinates["data_parallel"]) for r in run.ranks
+    ] == [
+        (0, 0, 0),
+        (31, 0, 31),
+        (32, 1, 0),
+        (63, 1, 31),
+    ]
+    first, last = run.ranks[0], run.ranks[1]
+    # the same padded storage on every rank of a stage; AdamW's state follows each rank's own rows: by hand, the
+    # last of 32 ranks holds rows - 31 * ceil(rows / 32) of each parameter (none when the others took them all)
+    assert first.param_bytes == last.param_bytes
+    model = llama()
+    names = {p.name for p in first.parameters}
+    params = {n.removeprefix(""): p for n, p in model.named_parameters() if n in names}
+
+    def rows_of(rank: int, rows: int) -> int:
+        per = math.ceil(rows / 32)
+        return max(0, min(per, rows - rank * per))
+
+    for rank, state in ((0, first), (31, last)):
+        hand = sum(2 * 4 * rows_of(rank, p.shape[0]) * math.prod(p.shape[1:]) for p in params.values())
+        assert state.optimizer_bytes == hand, rank
+    assert (
+        last.padding_elements
+        == sum(
+            32 * 0
+            + math.ceil(p.shape[0] / 32) * math.prod(p.shape[1:])
+            - rows_of(31, p.shape[0]) * math.prod(p.shape[1:])
+            for p in params.values()
+        )
+        > 0
+    )
+
+
+def test_nothing_is_materialised_and_tensor_parallel_reports_what_it_split():
+    run = dry_run(
+        llama, "tp_dp", devices=8, num_nodes=512, strategy_kwargs={"tensor_parallel_size": 2}, ranks=[4095]
+    )
+    assert run.error is None, run.error
+    (state,) = run.ranks
+    assert state.rank == 4095 and state.coordinates == {"data_parallel": 2047, "tensor_parallel": 1}
+    split, replicated = state.split_and_replicated("tensor_parallel")
+    # the projections of every block are split; embeddings, norms and the head are replicated
+    assert sorted({n.split(".")[-2] for n in split}) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
+    assert set(replicated) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{norm}.weight"
+        for i in range(4)
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    }
+
+
+def test_a_simulated_world_keeps_the_model_on_meta_and_refuses_a_real_group(tmp_path):
+    from lit_parallel.parallel import ParallelDims, ParallelizeConfig, parallelize
+
+    model = llama()
+    with simulated_world(4096, 17):
+        assert dist.get_world_size() == 4096 and dist.get_rank() == 17
+        dims = ParallelDims.for_fsdp(4096)
+        dims.build_mesh("cpu")
+        parallelize(model, dims, ParallelizeConfig())
+        with pytest.raises(RuntimeError, match="a process group already exists"):
+            with simulated_world(2):
+                pass
+    assert all(p.is_meta for p in model.parameters())
+    for bad, says in (
+        ({"world_size": 0}, "world_size=0"),
+        ({"world_size": 4, "rank": 4}, "rank=4 must be one of"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            with simulated_world(**bad):
+                pass
+
+
+@pytest.mark.parametrize("world", list(SHAPES))
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_advise_table_equals_the_dry_run_of_each_strategy(world, precision):
+    """``advise --model``'s memory table: each row is the state the strategy's dry run leaves on the rank holding
+    the most (tensor parallelism over the devices of a node, 2 here: the model's 2 key/value heads)."""
+    from lit_parallel.planner.rules import advise
+
+    devices, nodes = 2, world // 2
+    advice = advise(
+        model=llama(), devices=devices, nodes=nodes, memory_gb=80, precision=precision, device_type="cuda"
+    )
+    runs = {
+        "DDP": ("ddp_tuned", {}),
+        "ZeRO-2": ("fsdp_blocks", {"reshard_after_forward": False}),
+        "FSDP/ZeRO-3": ("fsdp_blocks", {}),
+        "HSDP": ("hsdp", {}),
+        "TP+DP": ("tp_dp", {"tensor_parallel_size": devices}),
+    }
+    gathered = sum(p.numel() for p in llama().parameters()) * (4 if precision == "32-true" else 2)
+    for row, (name, kwargs) in runs.items():
+        run = dry_run(
+            llama,
+            name,
+            devices=devices,
+            num_nodes=nodes,
+            precision=precision,
+            strategy_kwargs=kwargs,
+            ranks="first",
+        )
+        assert run.error is None, (row, run.error)
+        table = advice.row(row)
+        # ZeRO-2's row also counts every parameter gathered from forward to backward (not stored state)
+        extra = gathered if row == "ZeRO-2" else 0
+        assert table.state_bytes - extra == run.ranks[0].state_bytes, row
+        if precision == "32-true":
+            assert (table.param_bytes - extra, table.grad_bytes, table.optimizer_bytes) == (
+                run.ranks[0].param_bytes,
+                run.ranks[0].grad_bytes,
+                run.ranks[0].optimizer_bytes,
+            ), row
