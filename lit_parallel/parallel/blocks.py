@@ -23,6 +23,8 @@ from lit_parallel.parallel.expert_parallel.discovery import find_moe_layers
 BlockTypes = str | Iterable[type | str] | Callable[[nn.Module], bool]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# containers without a forward of their own: fully_shard refuses them (it hooks a module's forward)
+_NO_FORWARD = (nn.ModuleList, nn.ModuleDict)
 
 
 class NoBlocksFoundError(ValueError):
@@ -159,7 +161,9 @@ def size_groups(root: nn.Module, threshold: int) -> list[tuple[str, nn.Module]]:
 
     Unlike FSDP1's ``size_based_auto_wrap_policy`` groups never nest: a module with a group below it is not
     a group itself, and what it holds outside its groups goes to the root group. A module whose
-    parameters are shared with a module outside it (tied weights) is never a group.
+    parameters are shared with a module outside it (tied weights) is never a group. A ``ModuleList`` or
+    ``ModuleDict`` that reaches the threshold is never a group either (it has no forward for FSDP2 to
+    hook): its members holding ungrouped parameters are the groups instead.
     """
     owners: dict[int, set[int]] = {}
     for m in root.modules():
@@ -169,17 +173,30 @@ def size_groups(root: nn.Module, threshold: int) -> list[tuple[str, nn.Module]]:
     groups: list[tuple[str, nn.Module]] = []
 
     def visit(name: str, module: nn.Module) -> tuple[int, bool]:  # (ungrouped params, holds a group)
-        pending, grouped = 0, False
+        own = 0
         for p in module.parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                pending += p.numel()
+                own += p.numel()
+        pending, grouped, children = own, False, []
         for child_name, child in module.named_children():
-            n, g = visit(f"{name}.{child_name}" if name else child_name, child)
+            path = f"{name}.{child_name}" if name else child_name
+            n, g = visit(path, child)
             pending, grouped = pending + n, grouped or g
+            children.append((path, child, n, g))
         if name and not grouped and pending >= threshold and _self_contained(module, owners):
-            groups.append((name, module))
-            return 0, True
+            if not isinstance(module, _NO_FORWARD):
+                groups.append((name, module))
+                return 0, True
+            # a ModuleList / ModuleDict has no forward for FSDP to hook: its members are the groups instead
+            members = [
+                (path, child)
+                for path, child, n, g in children
+                if n and not g and _self_contained(child, owners)
+            ]
+            if members:
+                groups.extend(members)
+                return pending - sum(n for path, child, n, g in children if (path, child) in members), True
         return pending, grouped
 
     visit("", root)

@@ -269,3 +269,24 @@ def test_activation_checkpointing_keeps_names_outputs_and_gradients():
     b(x).sum().backward()
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, msg=n)
+
+
+def test_a_module_list_reaching_the_threshold_is_grouped_by_its_members():
+    # blocks holding less than half the parameters (4 layers, a 32k vocabulary): size-based groups; the layers'
+    # ModuleList has no forward for fully_shard to hook (it refuses it), so its layers are the groups
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2816, vocab_size=32000
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    plan = find_transformer_blocks(model)
+    assert plan.how == "size"
+    assert [n for n, _ in plan.blocks] == [
+        "model.embed_tokens",
+        *(f"model.layers.{i}" for i in range(4)),
+        "lm_head",
+    ]
+    layers = nn.ModuleList([nn.Linear(100, 100) for _ in range(3)])
+    assert [n for n, _ in size_groups(nn.Sequential(layers), 20_000)] == ["0.0", "0.1", "0.2"]
