@@ -16,7 +16,8 @@ import importlib
 import inspect
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,16 @@ ENTRIES: dict[str, Entry] = {
         "parallel/simulated: the store of a simulated process group (importing its module registers torch's"
         " fake backend, which answers every collective without communicating): advise --dry-run",
         "none (the fake backend is registered only by this module)",
+    ),
+    "FakeTensorMode": Entry(
+        "torch._subclasses.fake_tensor:FakeTensorMode",
+        "planner/dry_run/step: one training step of a dry run, every tensor with its shape and no storage",
+        "none (torch.device('meta') has no FSDP2 support: its lazy init asks for materialised parameters)",
+    ),
+    "unset_fake_temporarily": Entry(
+        "torch._subclasses.fake_tensor:unset_fake_temporarily",
+        "planner/dry_run/step: DeviceMesh computes its coordinates on real tensors inside the fake step"
+        " (fake_step_context)",
     ),
     # --- torch: accessors -----------------------------------------------------------------------------
     "all_process_groups": Entry(
@@ -606,6 +617,27 @@ def fsdp_params(module: Any) -> list[Any]:
             group = m._get_fsdp_state()._fsdp_param_group
             records.extend(group.fsdp_params if group is not None else ())
     return records
+
+
+@contextmanager
+def meshes_on_real_tensors() -> Iterator[None]:
+    """``DeviceMesh`` objects built inside the ``with`` body compute their coordinates on real tensors even
+    under a ``FakeTensorMode`` (FSDP2 and DTensor build sub-meshes while they set up; the mesh's rank table
+    is a real tensor, and a fake ``nonzero`` has no size)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    unset = check("unset_fake_temporarily")
+    original = DeviceMesh.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
 
 
 def storage_key(tensor: Any) -> int:

@@ -22,7 +22,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +35,18 @@ from lit_parallel._compat import set_device_mesh
 from lit_parallel.parallel.mesh import DP_REPLICATE, PP
 from lit_parallel.parallel.simulated import simulated_world
 from lit_parallel.planner.dry_run import RankState, rank_state
+from lit_parallel.planner.dry_run.step import (
+    StepMemory,
+    fake_inputs,
+    fake_module,
+    fake_step_context,
+    measure_step,
+)
+from lit_parallel.planner.simulation import default_loss
 
 STRATEGIES = ("ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp")
+# the parameter dtype of Lightning's "-true" precisions other than 32-true
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
 @dataclass
@@ -56,6 +66,9 @@ class DryRun:
         decision: ``auto_parallel``'s decision in words, when it chose.
         sizes: the mesh's sizes (``world``, ``data_parallel_replicate``, ``data_parallel_shard``,
             ``tensor_parallel``, ``pipeline_parallel``, ``expert_parallel``).
+        step: the first rank's peak of one training step measured on fake tensors
+            (:mod:`lit_parallel.planner.dry_run.step`), when asked for and possible.
+        step_note: why the step was not measured, when it was asked for.
     """
 
     strategy: str
@@ -68,6 +81,8 @@ class DryRun:
     seconds: float = 0.0
     decision: str | None = None
     sizes: dict[str, int] = field(default_factory=dict)
+    step: StepMemory | None = None
+    step_note: str | None = None
 
     @property
     def largest(self) -> RankState | None:
@@ -90,6 +105,8 @@ class DryRun:
             "seconds": self.seconds,
             "ranks": [r.as_dict() for r in self.ranks],
             "largest_rank": largest.rank if largest is not None else None,
+            "step": self.step.as_dict() if self.step is not None else None,
+            "step_note": self.step_note,
             "log": self.log,
         }
 
@@ -119,7 +136,13 @@ def _quiet() -> Iterator[list[str]]:
 
     ours, handler = logging.getLogger("lit_parallel"), Collect(logging.INFO)
     lightning = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning")]
-    saved = (ours.level, ours.propagate, [lg.level for lg in lightning], rank_zero_only.rank, ours.handlers[:])
+    saved = (
+        ours.level,
+        ours.propagate,
+        [lg.level for lg in lightning],
+        rank_zero_only.rank,
+        ours.handlers[:],
+    )
     ours.handlers = [handler]
     ours.setLevel(logging.INFO)
     ours.propagate = False
@@ -185,24 +208,39 @@ def _setup_rank(
     num_nodes: int,
     precision: str,
     rank: int,
-) -> tuple[nn.Module, Any, list[nn.Module]]:
-    """The strategy's setup as rank ``rank`` of the simulated world: returns the module, the mesh and the
-    modules sharded apart from it (``pp_dp``'s stages)."""
+    mode: Any = None,
+) -> tuple[Any, nn.Module, Any, list[nn.Module]]:
+    """The strategy's setup as rank ``rank`` of the simulated world: returns the strategy, the module, the mesh and the
+    modules sharded apart from it (``pp_dp``'s stages). ``mode``: a ``FakeTensorMode`` the model is made fake
+    in and set up under (for :func:`~lit_parallel.planner.dry_run.step.measure_step`)."""
     strategy, trainer = _build(name, kwargs, devices, num_nodes, precision)
     world = devices * num_nodes
     strategy.cluster_environment.set_global_rank(rank)
     strategy.cluster_environment.set_world_size(world)
     rank_zero_only.rank = rank
-    module = _as_lightning(factory())
+    inner = factory()
+    if mode is not None:
+        # torch cannot swap a fake parameter for its cast copy: the model is cast on meta, before it is made fake,
+        # and this strategy's precision cast (for *-true precisions) left out, its work already done
+        dtype = _TRUE_DTYPES.get(precision)
+        if dtype is not None:
+            inner.to(dtype)
+            strategy.precision_plugin.convert_module = lambda m: m
+        fake_module(inner, mode)
+    module = _as_lightning(inner)
     module.trainer = trainer
-    strategy.connect(module)
+    fake = mode if mode is not None else nullcontext()
+    with fake:
+        strategy.connect(module)
     if name == "ddp_tuned":
-        return strategy.precision_plugin.convert_module(module), None, []
+        with fake:
+            return strategy, strategy.precision_plugin.convert_module(module), None, []
     mesh = strategy.parallel_dims.build_mesh("cpu")
     strategy._device_mesh = mesh
     set_device_mesh(module, mesh)
-    strategy._parallelize()
-    return strategy.model, mesh, list(getattr(strategy, "_stages", ()))
+    with fake:
+        strategy._parallelize()
+    return strategy, strategy.model, mesh, list(getattr(strategy, "_stages", ()))
 
 
 def dry_run(
@@ -215,6 +253,9 @@ def dry_run(
     strategy_kwargs: dict[str, Any] | None = None,
     ranks: Sequence[int] | str = "positions",
     memory_gb: float = 80.0,
+    step: bool = False,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
 ) -> DryRun:
     """Run ``strategy``'s setup for ``model`` on a simulated cluster of ``num_nodes`` x ``devices`` ranks.
 
@@ -227,6 +268,9 @@ def dry_run(
         ranks: the global ranks to dry-run, ``"positions"`` (every distinct position: :func:`positions`) or
             ``"first"`` (rank 0 only).
         memory_gb: the memory of one device ``auto_parallel`` decides with.
+        step: also run one training step of the first rank on fake tensors and measure its peak by category
+            (:mod:`lit_parallel.planner.dry_run.step`; not for ``pp_dp``); ``batch_size`` and ``seq_len`` give
+            its micro-batch (as ``advise``'s options: default the model's ``example_input_array``, or tokens).
     """
     from lit_parallel.strategies.auto import CANDIDATES
 
@@ -251,7 +295,8 @@ def dry_run(
                 )
                 out.kwargs = kwargs = {**extra, **kwargs}
             assert out.strategy in CANDIDATES
-            _run_ranks(out, model, devices, num_nodes, precision, ranks, lines)
+            measure = (batch_size, seq_len) if step else None
+            _run_ranks(out, model, devices, num_nodes, precision, ranks, lines, measure)
         except Exception as err:  # noqa: BLE001 - the error is the report: what the real setup would raise
             out.error = f"{type(err).__name__}: {err}"
     out.seconds = time.perf_counter() - start
@@ -266,6 +311,7 @@ def _run_ranks(
     precision: str,
     ranks: Sequence[int] | str,
     lines: list[str],
+    measure: tuple[int | None, int | None] | None = None,
 ) -> None:
     world = devices * num_nodes
     # the Trainer's constructor runs the strategy's checks of sizes and precision, before any process group
@@ -292,8 +338,26 @@ def _run_ranks(
         if rank in done:
             continue
         first = not out.ranks
-        with simulated_world(world, rank):
-            module, mesh, stages = _setup_rank(out.strategy, out.kwargs, factory, devices, num_nodes, precision, rank)
+        step_input = _step_input(out, factory, measure) if first and measure is not None else None
+        with simulated_world(world, rank), fake_step_context() if step_input else nullcontext() as mode:
+            strategy, module, mesh, stages = _setup_rank(
+                out.strategy, out.kwargs, factory, devices, num_nodes, precision, rank, mode
+            )
+            if step_input is not None:
+                args, description = step_input
+                out.step = measure_step(
+                    module,
+                    fake_inputs(args, mode),
+                    default_loss,
+                    mode,
+                    input_description=description,
+                    context=strategy.precision_plugin.forward_context,
+                )
+                if out.strategy == "ddp_tuned":
+                    out.step_note = (
+                        "ddp_tuned: the step of the model without DDP (DDP cannot wrap fake parameters): DDP keeps"
+                        " the gradients in its buckets for the whole step, one more copy of them at the peak"
+                    )
             if mesh is not None:
                 coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate() or ()))
                 if item is None:
@@ -308,6 +372,28 @@ def _run_ranks(
             out.log = list(lines)
         out.ranks.append(state)
         done.add(rank)
+
+
+def _step_input(
+    out: DryRun, factory: Callable[[], nn.Module], measure: tuple[int | None, int | None]
+) -> tuple[tuple, str] | None:
+    """The micro-batch of the measured step (meta tensors) and its description, or ``None`` with the reason
+    in ``out.step_note``."""
+    from lit_parallel.parallel.example_inputs import NoExampleInput, meta_example_input
+
+    if out.strategy == "pp_dp":
+        out.step_note = (
+            "pp_dp: not measured: its stages exchange activations point to point and the simulated process group"
+            " delivers none, so a later stage has nothing to compute on; advise's per-stage prediction stands"
+        )
+        return None
+    batch_size, seq_len = measure
+    try:
+        example = meta_example_input(factory(), batch_size=batch_size, seq_len=seq_len)
+    except NoExampleInput as err:
+        out.step_note = f"not measured: {err}"
+        return None
+    return example.args, example.description
 
 
 def _auto_choice(

@@ -1,0 +1,119 @@
+"""One training step of a dry run, measured: every tensor fake (a shape, no storage), counted by torch's tracker.
+
+Under torch's ``FakeTensorMode`` the model's parameters, the shards the strategy's setup makes of them and
+every tensor of a forward, backward and AdamW step exist with their shapes, dtypes and devices but hold no
+memory, and the collectives of the simulated process group (:mod:`lit_parallel.parallel.simulated`) return
+at once. torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) counts what is live by category
+as the step runs; its peak is the rank's peak. The step is Lightning's order after a first step (so the
+optimizer state exists): forward, loss, backward, ``optimizer.step()``, ``zero_grad()``.
+
+AdamW runs its ``foreach`` implementation, its default on CUDA. What this cannot measure: a pipeline schedule (its stages exchange activations point to point and the
+simulated group delivers none, so a later stage has nothing to compute on), and what the CUDA caching
+allocator adds (fragmentation, NCCL's buffers): the fake tensors live on the CPU device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_parallel import _compat
+
+# torch's categories (MemTracker's _MemRefType names) -> ours, in the order reported
+CATEGORIES = {
+    "PARAM": "params",
+    "BUFFER": "buffers",
+    "GRAD": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations",
+    "TEMP": "temporaries",
+    "OTH": "other",
+}
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """A rank's peak of one step by category (bytes), as torch's ``MemTracker`` counted it."""
+
+    by_category: dict[str, float]
+    input_description: str
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_category.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "input": self.input_description,
+            **{f"{k}_bytes": v for k, v in self.by_category.items()},
+            "total_bytes": self.total,
+        }
+
+
+@contextmanager
+def fake_step_context() -> Iterator[Any]:
+    """A ``FakeTensorMode`` (entered by the caller around building the model, the setup and the step), with
+    device meshes built on real tensors meanwhile (:func:`lit_parallel._compat.meshes_on_real_tensors`)."""
+    mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    with _compat.meshes_on_real_tensors():
+        yield mode
+
+
+def fake_module(module: nn.Module, mode: Any, device: str = "cpu") -> nn.Module:
+    """``module`` (on the meta device) with fake parameters and buffers on ``device`` (no memory)."""
+    with mode:
+        return module.to_empty(device=device)
+
+
+def fake_inputs(args: tuple, mode: Any, device: str = "cpu") -> tuple:
+    """Fake tensors of the shapes and dtypes of ``args`` (meta tensors) on ``device``; other values kept."""
+    with mode:
+        return tuple(
+            torch.zeros(a.shape, dtype=a.dtype, device=device) if isinstance(a, torch.Tensor) else a
+            for a in args
+        )
+
+
+def measure_step(
+    module: nn.Module,
+    args: tuple,
+    loss: Callable[[Any, tuple], torch.Tensor],
+    mode: Any,
+    *,
+    input_description: str = "",
+    context: Callable[[], Any] = nullcontext,
+) -> StepMemory:
+    """The peak of one step of ``module`` on ``args`` (fake tensors, under ``mode``) with AdamW: a first step
+    outside the tracker (AdamW makes its state there), then the tracked one; forward and loss run inside
+    ``context()`` (the precision plugin's: autocast under mixed precision)."""
+    with mode:
+        # foreach: AdamW's default on CUDA (one scratch copy of the parameters), what advise predicts for GPUs
+        optimizer = torch.optim.AdamW(
+            [p for p in module.parameters() if p.requires_grad], lr=1e-3, foreach=True
+        )
+
+        def step() -> None:
+            with context():
+                value = loss(module(*args), args)
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        tracker = _compat.MemTracker()
+        tracker.track_external(module, optimizer)
+        with tracker:
+            step()
+        snapshot = tracker.get_tracker_snapshot("peak")
+    by_device = next(iter(snapshot.values()), {})
+    peak = {name: 0.0 for name in CATEGORIES.values()}
+    for ref, value in by_device.items():
+        key = getattr(ref, "name", str(ref))
+        if key in CATEGORIES:
+            peak[CATEGORIES[key]] += float(value)
+    return StepMemory(peak, input_description)
