@@ -134,9 +134,11 @@ ENTRIES: dict[str, Entry] = {
     ),
     "MemTracker": Entry(
         "torch.distributed._tools.mem_tracker:MemTracker",
-        "tests (tests/memory_reference.py): torch's own count of a step's live tensor memory, the"
-        " independent reference measure/live_memory.LiveMemory is checked against",
+        "measure/mem_tracker: torch's own count of a step's live tensor memory, which `advise --verify`"
+        " reports beside measure/live_memory.LiveMemory's (an independent check of the package's counter);"
+        " tests (tests/memory_reference.py) check LiveMemory against it",
         "torch.cuda.max_memory_allocated (CUDA only: torch keeps no allocator statistics for CPU memory)",
+        attributes=("track_external", "get_tracker_snapshot"),
     ),
     "FakeStore": Entry(
         "torch.testing._internal.distributed.fake_pg:FakeStore",
@@ -451,7 +453,9 @@ def __getattr__(name: str) -> Any:
 # Supported: torch 2.11 up to the newest release (docs/reference/versions.md, "Tested versions"). Public torch names
 # and arguments younger than the oldest supported torch are entries of FEATURES: the code asks has_feature()
 # and takes another path on an older torch, never failing to import. Where that path gives up something,
-# log_degraded() says so once per process (rank 0), naming the torch version that has the feature.
+# log_degraded() says so once per process (rank 0), naming the torch version that has the feature. A private
+# name the package can do without is a feature too (``entry``: its key in ENTRIES): every supported torch has it,
+# but a later one may move or drop it, and then the package goes on without it, saying so in the same way.
 
 OLDEST_TORCH = "2.11"
 
@@ -459,13 +463,16 @@ OLDEST_TORCH = "2.11"
 @dataclass(frozen=True)
 class Feature:
     """``since``: the first torch release with ``name``; ``older``: what the package does without it (the log
-    line); ``lost``: whether that path gives something up (then :func:`log_degraded` logs it, else nothing)."""
+    line); ``lost``: whether that path gives something up (then :func:`log_degraded` logs it, else nothing);
+    ``entry``: for a private name, its key in :data:`ENTRIES` (``since`` is then empty: every supported torch
+    has it, and the probe is whether the entry still resolves)."""
 
     name: str
     since: str
     older: str
     lost: bool
     probe: Callable[[], bool]
+    entry: str = ""
 
 
 def _ddp_takes(argument: str) -> bool:
@@ -488,6 +495,17 @@ def _c10d_has(name: str) -> Callable[[], bool]:
         import torch.distributed as dist
 
         return hasattr(dist, name)
+
+    return probe
+
+
+def _entry_resolves(name: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            check(name)
+        except ImportError:
+            return False
+        return True
 
     return probe
 
@@ -532,6 +550,15 @@ FEATURES: dict[str, Feature] = {
         lost=False,
         probe=_c10d_has("all_gather_single"),
     ),
+    "mem_tracker": Feature(
+        "torch.distributed._tools.mem_tracker.MemTracker",
+        "",
+        "advise --verify reports the peak of lit_parallel's own counter (LiveMemory) without torch's MemTracker"
+        " peak beside it",
+        lost=True,
+        probe=_entry_resolves("MemTracker"),
+        entry="MemTracker",
+    ),
 }
 
 # has_feature() answers from here first: tests force a feature off to run the older path on a newer torch
@@ -567,10 +594,11 @@ def degraded_message(key: str) -> str:
     import torch
 
     feature = FEATURES[key]
-    return (
-        f"lit_parallel: torch {torch.__version__} lacks {feature.name} (torch {feature.since} and later have"
-        f" it): {feature.older}"
-    )
+    if feature.entry:  # a private name: no release is known to have it for good
+        had = f"a private name, checked with {ENTRIES[feature.entry].checked}"
+    else:
+        had = f"torch {feature.since} and later have it"
+    return f"lit_parallel: torch {torch.__version__} lacks {feature.name} ({had}): {feature.older}"
 
 
 def log_degraded(key: str) -> None:

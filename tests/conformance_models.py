@@ -49,16 +49,19 @@ class ConformanceModel:
 # --- Hugging Face families --------------------------------------------------------------------------------
 
 
-def gpt2() -> nn.Module:
+def gpt2(
+    layers: int = LAYERS, width: int = WIDTH, vocab: int = VOCAB, positions: int = SEQ, ffn: int = FFN
+) -> nn.Module:
+    """The table's tiny GPT-2; the arguments make larger ones of the same family (`advise --model-kwargs`)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=WIDTH,
-        n_layer=LAYERS,
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=width,
+        n_layer=layers,
         n_head=HEADS,
-        n_inner=FFN,
+        n_inner=ffn,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,

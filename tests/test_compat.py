@@ -133,6 +133,9 @@ def test_only_compat_imports_private_torch_or_lightning_names():
 def test_every_feature_is_younger_than_the_oldest_supported_torch_and_says_what_an_older_one_does():
     for key, feature in _compat.FEATURES.items():
         assert feature.name and feature.older, key
+        if feature.entry:  # a private name every supported torch has: an entry, no release number
+            assert feature.entry in _compat.ENTRIES and not feature.since, key
+            continue
         assert tuple(map(int, feature.since.split("."))) > tuple(map(int, _compat.OLDEST_TORCH.split("."))), (
             key
         )
@@ -143,9 +146,32 @@ def test_the_installed_torch_has_a_feature_exactly_when_its_release_is_at_least_
     # the probes look at torch itself (a signature, an attribute); the release numbers are the docs' claim
     import torch
 
+    feature = _compat.FEATURES[key]
+    if feature.entry:  # a private name: there exactly when its entry resolves (on every supported torch)
+        _compat.check(feature.entry)
+        assert feature.probe() is True, (key, torch.__version__)
+        return
     release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    since = tuple(int(p) for p in _compat.FEATURES[key].since.split("."))
-    assert _compat.FEATURES[key].probe() is (release >= since), (key, torch.__version__)
+    since = tuple(int(p) for p in feature.since.split("."))
+    assert feature.probe() is (release >= since), (key, torch.__version__)
+
+
+def test_a_private_name_that_is_gone_is_a_feature_lost_and_its_line_names_the_entrys_checked_releases(
+    monkeypatch, older_torch, caplog
+):
+    import torch
+
+    gone = _compat.Entry("torch.distributed._tools.mem_tracker:NoSuchTracker", "a test", public="none")
+    monkeypatch.setitem(_compat.ENTRIES, "MemTracker", gone)
+    assert _compat.FEATURES["mem_tracker"].probe() is False  # the probe resolves the entry
+    older_torch("mem_tracker")
+    _compat.log_degraded("mem_tracker")
+    _compat.log_degraded("mem_tracker")
+    assert _lacks_lines(caplog) == [
+        f"lit_parallel: torch {torch.__version__} lacks torch.distributed._tools.mem_tracker.MemTracker (a"
+        f" private name, checked with {_compat.CHECKED}): advise --verify reports the peak of lit_parallel's own"
+        " counter (LiveMemory) without torch's MemTracker peak beside it"
+    ]
 
 
 @pytest.fixture

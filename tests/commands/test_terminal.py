@@ -166,15 +166,20 @@ def test_advise_verification_table_fits_the_terminal(width, capsys, monkeypatch)
     by_category = {"params": 3_100_000, "grads": 1_100_000, "optimizer": 6_400_000, "activations": 2_300_000}
     measured = MemoryPeak(total=sum(by_category.values()) + 500_000, by_category=by_category)
     step = {"compute_s": 0.010, "optimizer_s": 0.002, "comm_s": 0.004, "step_s": 0.0165}
-    rows = error_rows(LABELS["zero2"], predicted, measured, step, 0.0151, [(0.016, 0.015), (0.017, 0.0152)])
+    # torch's MemTracker's figures of the same step (its other categories are not shown)
+    by_torch = {"total": 13_950_000, "PARAM": 3_100_000, "GRAD": 1_100_000}
+    pairs = [(0.016, 0.015), (0.017, 0.0152)]
+    rows = error_rows(LABELS["zero2"], predicted, measured, step, 0.0151, pairs, by_torch)
     print_verification(rows, terminal_console())
     out = capsys.readouterr().out
-    values = ["each round's error", "within target"]
+    values = ["each round's error", "within target", "MemTracker"]
     for row in rows:
         fmt = (lambda v: f"{v * 1e3:.1f} ms") if row["figure"].startswith("step") else _gb
         values += [row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"])]
         values.append("-" if row["error"] is None else f"{row['error']:.1%}")
         values += [f"{e:+.0%}" for e in row.get("round_errors", [])]
+        if row.get("mem_tracker") is not None:
+            values += [fmt(row["mem_tracker"]), f"{row['mem_tracker_difference']:+.1%}"]
     assert_fits_and_shows(out, width, values)
 
 

@@ -2,7 +2,9 @@
 
 :func:`verify` runs one process and a launch (:mod:`lit_parallel.commands.advise.measure`) and returns one row per
 figure, predicted next to measured; each round of the measurement is predicted from the parts timed in it
-and compared with its own steps (:func:`paired_step`).
+and compared with its own steps (:func:`paired_step`). Beside the package's count of a peak (LiveMemory), the
+rows carry torch's own MemTracker's count of the same step where it counts the same bytes
+(:mod:`lit_parallel.measure.mem_tracker`): an independent check of the counter both sides share.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lit_parallel.commands.advise.report import (
 )
 from lit_parallel.formatting import format_bytes
 from lit_parallel.measure.live_memory import CATEGORIES
+from lit_parallel.measure.mem_tracker import SAME_AS_LIVE_MEMORY
 from lit_parallel.planner.model_summary import meta_model, shaped_input
 from lit_parallel.planner.time.calibration import StrategyCost, fit_costs, fit_pipeline_cost
 from lit_parallel.planner.time.step import PartsTimer, StepTime
@@ -36,16 +39,21 @@ def error_rows(
     step_pred: dict[str, float | None],
     step_meas: float,
     rounds: list[tuple[float, float]] | None = None,
+    by_torch: dict[str, int] | None = None,
 ) -> list[dict]:
     """One row per figure: predicted, measured, relative error, within target; ``step_pred`` is
     :meth:`Prediction.step_s`'s split (the step row keeps it as ``parts``). ``rounds``: each round's
     predicted and measured step seconds (:func:`paired_step`): with more than one, they give the step row's
-    figures."""
+    figures. ``by_torch``: torch's MemTracker's peak of the measured step
+    (:func:`~lit_parallel.measure.mem_tracker.stop_mem_tracker`), or ``None``: each peak row has its figure that
+    counts the same bytes (``mem_tracker``, else ``None``) and ``mem_tracker_difference``, measured /
+    MemTracker - 1."""
     rows = []
     for cat in (*CATEGORIES, "total"):
         pv = predicted.total if cat == "total" else getattr(predicted, cat)
         mv = measured.total if cat == "total" else measured.by_category.get(cat, 0)
         err = abs(pv - mv) / mv if mv else (0.0 if pv == 0 else None)
+        tv = by_torch[SAME_AS_LIVE_MEMORY[cat]] if by_torch and cat in SAME_AS_LIVE_MEMORY else None
         rows.append(
             {
                 "strategy": strategy,
@@ -54,6 +62,8 @@ def error_rows(
                 "measured": mv,
                 "error": err,
                 "ok": None if cat != "total" else err is not None and err <= MEMORY_TARGET,
+                "mem_tracker": tv,
+                "mem_tracker_difference": mv / tv - 1 if tv else None,
             }
         )
     if step_pred["step_s"] is not None:
@@ -151,10 +161,18 @@ def verify(path: str, kwargs: dict[str, Any], args: Any, console: Any) -> tuple[
             seq_len=args.seq_len,
             example_inputs=given,
         )
-    peak, step_s, pairs = _one_process_rounds(one, model, real_inputs(ex.args, vocabulary(model)), timer)
+    peak, by_torch, step_s, pairs = _one_process_rounds(
+        one, model, real_inputs(ex.args, vocabulary(model)), timer
+    )
     cluster: dict[str, Any] = {}
     rows = error_rows(
-        "one_process", one.report.peaks["one_process"], peak, one.step_s("one_process"), step_s, pairs
+        "one_process",
+        one.report.peaks["one_process"],
+        peak,
+        one.step_s("one_process"),
+        step_s,
+        pairs,
+        by_torch,
     )
     if args.verify_ranks > 1:
         res = launch(
@@ -216,14 +234,10 @@ def launch_rows(
         label = f"hsdp {replicas}x{shard}" if strategy == "hsdp" else f"{strategy} x{n}"
         peak = preds.get(strategy, preds["multi"]).report.peaks[strategy]
         pairs = [(s[strategy]["step_s"], r[strategy]["step_s"]) for s, r in by_round if strategy in s]
-        rows += error_rows(
-            label,
-            peak,
-            max((peak_from(d) for d in got["peaks"]), key=lambda m: m.total),
-            whole[strategy],
-            got["step_s"],
-            pairs,
-        )
+        ranks = [peak_from(d) for d in got["peaks"]]
+        largest = max(range(len(ranks)), key=lambda i: ranks[i].total)  # the rank the row reports
+        by_torch = (got.get("mem_tracker_peaks") or [None] * len(ranks))[largest]  # its step, torch's count
+        rows += error_rows(label, peak, ranks[largest], whole[strategy], got["step_s"], pairs, by_torch)
     cluster = {
         "ranks": n,
         "busbw_gbps": res["busbw_gbps"],
@@ -263,37 +277,59 @@ def _one_process_rounds(one: Prediction, model: nn.Module, inputs: tuple, timer:
     timing the prediction's parts between the measured steps: this machine's speed drifts by tens of percent
     within a second, so the prediction and the measurement see it at the same moments. Writes the medians
     of the parts over the rounds into ``one``; returns the first round's peak, the median step seconds and
-    each round's ``(predicted, measured)`` step seconds (:func:`paired_step`; empty without ``timer``)."""
+    each round's ``(predicted, measured)`` step seconds (:func:`paired_step`; empty without ``timer``). The
+    first round's step is counted by torch's MemTracker too: its peak is returned after LiveMemory's
+    (``None`` where torch has no MemTracker)."""
     import statistics
 
-    from lit_parallel.commands.advise.measure import ROUNDS, lightning_overhead, measure_step, parts_timing
+    from lit_parallel.commands.advise.measure import (
+        ROUNDS,
+        lightning_overhead,
+        measure_step,
+        measure_step_with_mem_tracker,
+        parts_timing,
+    )
     from lit_parallel.planner.time.step import median_timing
 
-    peak, steps, timings, overheads = None, [], [], []
+    peak, by_torch, steps, timings, overheads = None, None, [], [], []
     for _ in range(ROUNDS if timer is not None else 1):
         overheads.append(lightning_overhead())
-        got, step_s = measure_step(model, inputs, between=timer.sample if timer else None)
-        peak = got if peak is None else peak
+        between = timer.sample if timer else None
+        if peak is None:
+            peak, by_torch, step_s = measure_step_with_mem_tracker(model, inputs, between=between)
+        else:
+            _, step_s = measure_step(model, inputs, between=between)
         steps.append(step_s)
         timings.append(parts_timing(timer))
     if timer is None:
-        return peak, statistics.median(steps), []
+        return peak, by_torch, statistics.median(steps), []
     pairs = [
         (replace(one, timing=StepTime(**t), overhead_s=o).step_s("one_process")["step_s"], m)
         for t, o, m in zip(timings, overheads, steps, strict=True)
     ]
     one.timing = median_timing([StepTime(**t) for t in timings])
     one.overhead_s = statistics.median(overheads)
-    return peak, statistics.median(steps), pairs
+    return peak, by_torch, statistics.median(steps), pairs
+
+
+# why a strategy's peak has no MemTracker figure beside it
+PIPELINE_UNTRACKED = (
+    "torch's MemTracker refuses a module that runs more than once in a step, as a pipeline stage does once per"
+    " micro-batch"
+)
+NO_MEM_TRACKER = "this torch has no MemTracker"
+MEM_TRACKER_FAILED = "torch's MemTracker failed in the measured step (a WARNING above says why)"
 
 
 def print_verification(rows: list[dict], console: Any) -> None:
+    from lit_parallel._compat import has_feature
     from lit_parallel.commands.terminal import Column, fit_table
 
     columns = [
         Column("strategy"),
         Column("figure", wrap=True),
         *(Column(h, "right") for h in ("predicted", "measured", "error", "within target")),
+        *(Column(h, "right", wrap=True) for h in ("MemTracker", "measured vs MemTracker")),
         Column("each round's error", "right", wrap=True),
     ]
     cells = []
@@ -306,14 +342,39 @@ def print_verification(rows: list[dict], console: Any) -> None:
         err = "-" if row["error"] is None else f"{row['error']:.1%}"
         ok = {True: "[green]yes[/green]", False: "[red]no[/red]", None: ""}[row["ok"]]
         each = " ".join(f"{e:+.0%}" for e in row.get("round_errors", []))
+        by_torch = "-" if row.get("mem_tracker") is None else fmt(row["mem_tracker"])
+        diff = row.get("mem_tracker_difference")
         cells.append(
-            [row["strategy"], row["figure"], fmt(row["predicted"]), fmt(row["measured"]), err, ok, each]
+            [
+                row["strategy"],
+                row["figure"],
+                fmt(row["predicted"]),
+                fmt(row["measured"]),
+                err,
+                ok,
+                by_torch,
+                "-" if diff is None else f"{diff:+.1%}",
+                each,
+            ]
         )
     title = (
         f"predicted vs measured on this machine (targets: peak within {MEMORY_TARGET:.0%}, "
         f"step time within {TIME_TARGET:.0%})"
     )
     console.print(fit_table(columns, cells, width=console.width, title=title))
+    console.print(
+        "measured: lit_parallel's count of live tensor storages (LiveMemory); MemTracker: torch's own count of"
+        " the same step (torch.distributed._tools.mem_tracker), shown for the total, parameters and gradients:"
+        " Lightning runs forward and backward inside optimizer.step, whose allocations torch files as"
+        " optimizer state"
+    )
+    untracked = [r["strategy"] for r in rows if r["figure"] == "peak total" and r.get("mem_tracker") is None]
+    if untracked and not has_feature("mem_tracker"):
+        console.print(f"[yellow]note[/yellow]: no MemTracker figures: {NO_MEM_TRACKER}")
+        return
+    for strategy in untracked:
+        why = PIPELINE_UNTRACKED if strategy.startswith("pp_dp") else MEM_TRACKER_FAILED
+        console.print(f"[yellow]note[/yellow]: {escape(strategy)}: no MemTracker figure: {why}")
 
 
 def print_cluster(cluster: dict[str, Any], console: Any) -> None:

@@ -1,12 +1,13 @@
 """`lit-parallel advise --verify`: run the step the planner predicts on this machine and compare.
 
 One process: a real ``lightning.Trainer`` (CPU, 32-true) trains the model for a few steps on the
-predicted input; :class:`~lit_parallel.measure.live_memory.LiveMemory` measures the second step's peak
+predicted input; :class:`~lit_parallel.measure.live_memory.LiveMemory` measures the fourth step's peak
 by category (torch keeps no allocator statistics for CPU memory, so live tensor storages are counted),
-and the lower quartile of the following steps is the step time. A real launch (``--verify-ranks N``, default
-2) does the same in every rank under ``ddp_tuned``, ZeRO-2, ``fsdp_blocks``, ``hsdp`` (two replicas,
-:func:`hybrid_layout`), ``tp_dp`` (tensor parallel over every rank) and ``pp_dp`` (one launch), and
-measures the all-reduce bus bandwidth there for the communication term.
+torch's own ``MemTracker`` counts the same step beside it (:mod:`lit_parallel.measure.mem_tracker`: an
+independent check of the counter), and the lower quartile of the following steps is the step time. A real
+launch (``--verify-ranks N``, default 2) does the same in every rank under ``ddp_tuned``, ZeRO-2,
+``fsdp_blocks``, ``hsdp`` (two replicas, :func:`hybrid_layout`), ``tp_dp`` (tensor parallel over every rank)
+and ``pp_dp`` (one launch), and measures the all-reduce bus bandwidth there for the communication term.
 
 The rounds of an ``advise --verify`` launch made into one set of figures: the parts each rank timed
 between a strategy's steps (at the slowest rank's pace) and the medians over the rounds. (:func:`combine_rounds`).
@@ -17,13 +18,15 @@ The step is the one the planner predicts (:mod:`lit_parallel.planner.memory.pipe
 ``forward`` pipelined by :class:`~lit_parallel.strategies.pipeline.PipelineParallelStrategy` over every rank
 of the launch (one stage per rank, data parallel size 1), the planner's default loss on each micro-batch,
 AdamW. Every rank measures its own peak with :class:`~lit_parallel.measure.live_memory.LiveMemory` (the
-second step, as for the other strategies); the stage with the largest peak is the figure.
+fourth step, as for the other strategies); the stage with the largest peak is the figure. torch's MemTracker
+does not count it: it refuses a module that runs more than once in a step, as a stage does per micro-batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import statistics
 import time
@@ -97,35 +100,64 @@ def _lightning_module(model: nn.Module):
     return VerifyStep()
 
 
-def _probe(track_batch: int, live_from_start: Any = None, between: Any = None):
+def _probe(track_batch: int, live_from_start: Any = None, between: Any = None, mem_tracker: bool = False):
     from lightning.pytorch import Callback
 
+    from lit_parallel._compat import tree_flatten
     from lit_parallel.measure.live_memory import LiveMemory
+    from lit_parallel.measure.mem_tracker import start_mem_tracker, stop_mem_tracker
 
     class Probe(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
             self.peak: MemoryPeak | None = None
+            self.by_torch: dict[str, int] | None = None  # torch's MemTracker's peak (mem_tracker=True)
+            self.tracker: Any = None  # LiveMemory while it counts
+            self.torch_tracker: Any = None  # torch's MemTracker while it counts
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == track_batch:
                 self.tracker = LiveMemory(pl_module, trainer.optimizers[0])
                 self.tracker.__enter__()
-                if live_from_start is not None:
-                    self.tracker.count(live_from_start(trainer, batch))
+                held = list(live_from_start(trainer, batch)) if live_from_start is not None else []
+                self.tracker.count(held)
+                if mem_tracker:  # inside LiveMemory, and stopped before it: both count the same ops
+                    batch_tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+                    self.torch_tracker = start_mem_tracker(
+                        pl_module, trainer.optimizers[0], *batch_tensors, *held
+                    )
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             elapsed = time.perf_counter() - self.start
             if batch_idx == track_batch:
-                self.tracker.__exit__(None, None, None)
-                self.peak = self.tracker.peak
+                if self.torch_tracker is not None:
+                    tracker, self.torch_tracker = self.torch_tracker, None
+                    self.by_torch = stop_mem_tracker(tracker, trainer.strategy.root_device)
+                tracker, self.tracker = self.tracker, None
+                tracker.__exit__(None, None, None)
+                self.peak = tracker.peak
             elif batch_idx > track_batch:
                 self.times.append(elapsed)
                 if between is not None:
                     between()
 
+        def abandon(self) -> bool:
+            """After a failed run: stop the trackers still counting (torch's first: it is the inner mode),
+            so that no dispatch mode outlives the run; whether torch's was one of them."""
+            torch_counting = self.torch_tracker is not None
+            for tracker in (self.torch_tracker, self.tracker):
+                if tracker is not None:
+                    with contextlib.suppress(Exception):  # the failure may have left it half-way
+                        tracker.__exit__(None, None, None)
+            self.torch_tracker = self.tracker = None
+            return torch_counting
+
     return Probe()
+
+
+class _FailedUnderMemTracker(Exception):
+    """A run failed in its measured step while torch's MemTracker counted it (its cause: ``__cause__``)."""
 
 
 def measure_step(
@@ -144,12 +176,62 @@ def measure_step(
     ``model`` (default: forward, the planner's loss, AdamW). ``live_from_start(trainer, batch)``: tensors
     made before the measured step that are live all of it (counted from its start). ``between()``: called
     after each timed step, outside it (``advise --verify`` times the prediction's parts there)."""
-    import logging
+    probe = _fit_probed(
+        model, inputs, strategy, devices, repeats, module, live_from_start, between, mem_tracker=False
+    )
+    return probe.peak, typical_seconds(probe.times)
+
+
+def measure_step_with_mem_tracker(
+    model: nn.Module,
+    inputs: tuple,
+    *,
+    strategy: Any = "auto",
+    devices: int = 1,
+    repeats: int = STEP_REPEATS,
+    module: Any = None,
+    live_from_start: Any = None,
+    between: Any = None,
+) -> tuple[MemoryPeak, dict[str, int] | None, float]:
+    """:func:`measure_step` with its measured step counted by torch's ``MemTracker`` as well
+    (:mod:`lit_parallel.measure.mem_tracker`). Returns ``(peak, torch's peak, seconds)``; torch's peak is
+    ``None`` where torch has no MemTracker, or where it failed in the measured step (it refuses a model
+    called twice in a step, as a pipeline stage is once per micro-batch): then the run is made again
+    without it, and a WARNING says why (the check must not cost the measurement)."""
+    from lit_parallel import _logging
+
+    run = (model, inputs, strategy, devices, repeats, module, live_from_start, between)
+    try:
+        probe = _fit_probed(*run, mem_tracker=True)
+    except _FailedUnderMemTracker as failed:
+        cause = failed.__cause__
+        _logging.warning(
+            f"lit_parallel: torch's MemTracker failed in the measured step ({type(cause).__name__}: {cause});"
+            " measured again without it, by LiveMemory alone"
+        )
+        probe = _fit_probed(*run, mem_tracker=False)
+    return probe.peak, probe.by_torch, typical_seconds(probe.times)
+
+
+def _fit_probed(
+    model: nn.Module,
+    inputs: tuple,
+    strategy: Any,
+    devices: int,
+    repeats: int,
+    module: Any,
+    live_from_start: Any,
+    between: Any,
+    *,
+    mem_tracker: bool,
+):
+    """The Trainer run of :func:`measure_step`; returns its probe (peaks and step times). Raises
+    :class:`_FailedUnderMemTracker` from what the run raised while torch's MemTracker counted it."""
     import warnings
 
     import lightning as L
 
-    probe = _probe(track_batch=3, live_from_start=live_from_start, between=between)
+    probe = _probe(track_batch=3, live_from_start=live_from_start, between=between, mem_tracker=mem_tracker)
     for name in ("lightning.pytorch", "lightning.fabric", "lit_parallel"):  # every Trainer's tips and banners
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -167,8 +249,13 @@ def measure_step(
         use_distributed_sampler=False,  # every rank steps every batch: the measured steps are all there
     )
     loader = torch.utils.data.DataLoader([inputs] * (4 + repeats), batch_size=None)
-    trainer.fit(module if module is not None else _lightning_module(model), loader)
-    return probe.peak, typical_seconds(probe.times)
+    try:
+        trainer.fit(module if module is not None else _lightning_module(model), loader)
+    except Exception as err:
+        if probe.abandon():
+            raise _FailedUnderMemTracker() from err
+        raise
+    return probe
 
 
 def calibrate(
@@ -287,7 +374,10 @@ def worker(args: argparse.Namespace) -> int:
         for name in plain:
             if any("error" in r.get(name, {}) for r in rounds):
                 continue
-            rounds[-1][name] = _measure_strategy(factory, kwargs, args, name, timer, costs[name])
+            # torch's MemTracker counts the first round's step too (the peaks reported are that round's)
+            rounds[-1][name] = _measure_strategy(
+                factory, kwargs, args, name, timer, costs[name], mem_tracker=len(rounds) == 1
+            )
             if "error" not in rounds[-1][name]:
                 rounds[-1][f"calibration.{name}"] = calibrate(name, args.devices, args.calibration_repeats)
     results.update(combine_rounds(rounds, plain))
@@ -340,23 +430,28 @@ def _measure_strategy(
     name: str,
     timer: PartsTimer | None,
     cost: AllReduceTimer | FSDPCostTimer | None = None,
+    mem_tracker: bool = False,
 ) -> dict[str, Any]:
     """One strategy's measured step in this launch: every rank's peak, the step seconds and the parts
     ``timer`` timed between the steps (``cost``, a timer of :mod:`~lit_parallel.commands.advise.cost_timers`: what
-    the strategy adds, timed there too, as ``timed_costs``), or the error."""
+    the strategy adds, timed there too, as ``timed_costs``), or the error. With ``mem_tracker``, every rank's
+    peak by torch's MemTracker in the same step as well (``mem_tracker_peaks``; ``None`` entries where torch
+    has none)."""
     import torch.distributed as dist
 
     model, inputs = _model_and_inputs(factory, kwargs, args)
     samplers = [t.sample for t in (timer, cost) if t is not None]
+    run = dict(
+        strategy=strategy_object(name, args.devices),
+        devices=args.devices,
+        repeats=args.repeats,
+        between=(lambda: [f() for f in samplers]) if samplers else None,
+    )
     try:
-        peak, step_s = measure_step(
-            model,
-            inputs,
-            strategy=strategy_object(name, args.devices),
-            devices=args.devices,
-            repeats=args.repeats,
-            between=(lambda: [f() for f in samplers]) if samplers else None,
-        )
+        if mem_tracker:
+            peak, by_torch, step_s = measure_step_with_mem_tracker(model, inputs, **run)
+        else:
+            (peak, step_s), by_torch = measure_step(model, inputs, **run), None
     except Exception as err:  # a strategy this model cannot run: reported, the others still measured
         parts_timing(timer)  # what it sampled before failing belongs to no row
         if cost is not None:
@@ -365,6 +460,9 @@ def _measure_strategy(
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_dict(peak))
     out = {"peaks": peaks, "step_s": step_s, "timing": slowest_rank_timing(timer)}
+    if mem_tracker:
+        out["mem_tracker_peaks"] = [None] * dist.get_world_size()
+        dist.all_gather_object(out["mem_tracker_peaks"], by_torch)
     if cost is not None:
         out["timed_costs"] = cost.costs()
     return out
@@ -633,7 +731,8 @@ def slowest_rank_timing(timer: Any) -> dict[str, Any] | None:
 
 def combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, Any]:
     """The rounds' figures as one: medians of the seconds, of the parts' timings and of the costs timed
-    between the steps; the peaks of the first round (memory does not drift)."""
+    between the steps; the peaks of the first round (memory does not drift), LiveMemory's and torch's
+    MemTracker's (``None`` where it did not count that round)."""
     med = statistics.median
     alone = [r["alone"] for r in rounds]
     out: dict[str, Any] = {
@@ -651,6 +750,7 @@ def combine_rounds(rounds: list[dict[str, Any]], plain: list[str]) -> dict[str, 
             continue
         out[name] = {
             "peaks": got[0]["peaks"],
+            "mem_tracker_peaks": got[0].get("mem_tracker_peaks"),  # torch's count of the same step, if made
             "step_s": med(g["step_s"] for g in got),
             "timing": median_timing_dict([g.get("timing") for g in got]),
         }

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -611,6 +612,167 @@ def test_a_tiny_mlps_state_is_4_4_and_8_bytes_per_parameter_by_hand_predicted_an
     assert abs(one.total - by_torch["total"]) / by_torch["total"] <= 0.10, (one, by_torch)
 
 
+# --- torch's MemTracker beside LiveMemory: an independent count of the measured peak -------------------------
+
+# how far LiveMemory's one-process peak may be from torch's MemTracker's in the same step (on the models of
+# test_predicted_peak_is_within_10_percent_of_the_measured_peak_in_one_process they agree to the byte)
+ONE_PROCESS_COUNTER_TOLERANCE = 0.05
+
+
+def test_torchs_mem_tracker_peak_is_read_by_its_own_categories():
+    from lit_parallel.measure.mem_tracker import CATEGORIES, start_mem_tracker, stop_mem_tracker
+
+    layer = nn.Linear(64, 32)  # 64 x 32 + 32 = 2080 fp32 parameters: 8320 bytes
+    x = torch.randn(16, 64)  # made before and given as existing: 4096 bytes, torch's "other"
+    tracker = start_mem_tracker(layer, x)
+    layer(x).sum().backward()  # at its peak backward makes the gradients: 8320 bytes more
+    peak = stop_mem_tracker(tracker)
+    assert set(peak) == {"total", *CATEGORIES}
+    assert (peak["PARAM"], peak["OTH"]) == (8320, 4096)
+    assert peak["total"] == sum(peak[c] for c in CATEGORIES) >= 8320 + 4096 + 8320
+
+
+@pytest.mark.timeout(300)
+def test_verify_reports_torchs_mem_tracker_peak_beside_live_memorys_in_the_table_and_the_json(
+    tmp_path, capsys, monkeypatch
+):
+    from lit_parallel.commands.cli import main
+    from lit_parallel.formatting import format_bytes
+    from lit_parallel.measure.live_memory import CATEGORIES
+
+    monkeypatch.setenv("COLUMNS", "250")
+    out = tmp_path / "verify.json"
+    args = ["advise", "--model", "tests.models:GPT", "--batch-size", "2", "--precision", "32-true"]
+    assert main([*args, "--verify", "--verify-ranks", "1", "--no-step-time", "--json", str(out)]) == 0
+    verification = json.loads(out.read_text())["verification"]
+    assert {r["strategy"] for r in verification} == {"one_process"}  # --verify-ranks 1: no launch
+    rows = {r["figure"]: r for r in verification}
+    # every peak row has both keys; torch's figure where it counts the same bytes (Lightning runs forward and
+    # backward inside optimizer.step, whose allocations torch's tracker files as optimizer state)
+    for cat in (*CATEGORIES, "total"):
+        row = rows[f"peak {cat}"]
+        assert (row["mem_tracker"] is not None) is (cat in ("params", "grads", "total")), row
+        if row["mem_tracker"] is None:
+            assert row["mem_tracker_difference"] is None
+            continue
+        assert row["mem_tracker_difference"] == pytest.approx(row["measured"] / row["mem_tracker"] - 1)
+    total = rows["peak total"]
+    assert (
+        abs(total["measured"] - total["mem_tracker"]) <= ONE_PROCESS_COUNTER_TOLERANCE * total["mem_tracker"]
+    )
+    # the model state, by hand (fp32: 4 bytes per parameter and per gradient), counted by torch as well
+    from tests.models import GPT
+
+    n = sum(p.numel() for p in GPT().parameters())
+    assert rows["peak params"]["mem_tracker"] == rows["peak grads"]["mem_tracker"] == 4 * n
+    table = capsys.readouterr().out
+    assert "MemTracker" in table and "measured vs MemTracker" in table
+    line = next(x for x in table.splitlines() if "one_process" in x and "peak total" in x)
+    assert format_bytes(total["mem_tracker"], decimal=True) in line
+    assert f"{total['mem_tracker_difference']:+.1%}" in line
+
+
+@pytest.mark.timeout(300)
+def test_a_step_torchs_mem_tracker_fails_on_is_measured_again_by_live_memory_alone(caplog):
+    """torch's tracker refuses a model called twice in a step (here: by training_step); the measurement is
+    made again without it, with a WARNING, and no dispatch mode is left behind."""
+    import lightning as L
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from lit_parallel.commands.advise.measure import measure_step, measure_step_with_mem_tracker
+
+    class TwiceAStep(L.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch[0]).square().mean() + self.model(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+
+    caplog.set_level("WARNING", logger="lit_parallel")
+    x, layer = torch.randn(4, 16), nn.Linear(16, 8)
+    peak, by_torch, seconds = measure_step_with_mem_tracker(layer, (x,), module=TwiceAStep(layer), repeats=1)
+    assert by_torch is None and seconds > 0
+    warned = [r.getMessage() for r in caplog.records if "MemTracker failed" in r.getMessage()]
+    assert len(warned) == 1 and "multiple iterative calls" in warned[0], warned
+    assert _get_current_dispatch_mode_stack() == []
+    # LiveMemory's figure is the one a run without torch's tracker measures
+    alone, _ = measure_step(layer, (x,), module=TwiceAStep(layer), repeats=1)
+    assert peak.total == alone.total and peak.by_category == alone.by_category
+
+
+def _verification_rows(by_torch):
+    from lit_parallel.commands.advise.compare import error_rows
+    from lit_parallel.measure.live_memory import MemoryPeak
+    from lit_parallel.planner.memory.peak import Peak
+
+    predicted = Peak("one_process", 4000, 4000, 8000, 3000, 1000, "backward")
+    measured = MemoryPeak(20_500, {"params": 4000, "grads": 4000, "optimizer": 8000, "activations": 3500})
+    step = {"compute_s": 0.010, "optimizer_s": 0.002, "comm_s": None, "step_s": 0.013}
+    return error_rows("one_process", predicted, measured, step, 0.012, None, by_torch)
+
+
+def test_verification_rows_carry_torchs_figure_where_it_counts_the_same_bytes():
+    from lit_parallel.measure.mem_tracker import CATEGORIES
+
+    by_torch = {"total": 20_000, **dict.fromkeys(CATEGORIES, 0), "PARAM": 4000, "GRAD": 4000, "OPT": 12_000}
+    rows = {r["figure"]: r for r in _verification_rows(by_torch)}
+    got = {
+        f: (r["mem_tracker"], r["mem_tracker_difference"]) for f, r in rows.items() if f.startswith("peak")
+    }
+    assert got == {
+        "peak params": (4000, 0.0),
+        "peak grads": (4000, 0.0),
+        "peak optimizer": (None, None),  # torch's OPT holds the whole step under Lightning: not comparable
+        "peak activations": (None, None),
+        "peak temporaries": (None, None),
+        "peak total": (20_000, pytest.approx(20_500 / 20_000 - 1)),
+    }
+    assert "mem_tracker" not in rows["step time s"]
+
+
+def test_without_torchs_mem_tracker_verify_reports_live_memory_alone_and_says_why_once(
+    monkeypatch, caplog, capsys
+):
+    """On a torch without MemTracker (forced off here: every supported torch has it) the tracker is not
+    started, one WARNING says what is lost, the rows hold null and the table says why."""
+    from lit_parallel import _compat
+    from lit_parallel.commands.advise.compare import NO_MEM_TRACKER, print_verification
+    from lit_parallel.commands.terminal import terminal_console
+    from lit_parallel.measure.mem_tracker import start_mem_tracker
+
+    monkeypatch.setitem(_compat._FORCED, "mem_tracker", False)
+    monkeypatch.setattr(_compat, "_LOGGED", set())
+    for variable in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    caplog.set_level("INFO", logger="lit_parallel")
+    layer = nn.Linear(2, 2)
+    assert start_mem_tracker(layer) is None and start_mem_tracker(layer) is None
+    lacks = [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()]
+    assert lacks == [_compat.degraded_message("mem_tracker")] and "MemTracker" in lacks[0]
+    rows = _verification_rows(None)
+    assert all(r["mem_tracker"] is None and r["mem_tracker_difference"] is None for r in rows[:-1])
+    print_verification(rows, terminal_console())
+    out = capsys.readouterr().out
+    assert f"no MemTracker figures: {NO_MEM_TRACKER}" in out
+
+
+def test_a_pipeline_row_without_torchs_figure_says_why(capsys, monkeypatch):
+    from lit_parallel.commands.advise.compare import PIPELINE_UNTRACKED, print_verification
+    from lit_parallel.commands.terminal import terminal_console
+
+    monkeypatch.setenv("COLUMNS", "200")
+    rows = [{**r, "strategy": "pp_dp x2"} for r in _verification_rows(None)]
+    print_verification(rows, terminal_console())
+    assert f"pp_dp x2: no MemTracker figure: {PIPELINE_UNTRACKED}" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
 def _median_step_seconds(model: nn.Module, inputs: tuple, repeats: int = 12) -> float:
     """The median of ``repeats - 1`` real lightning.Trainer steps (measure_step's loop), each timed here by a
     stopwatch read after every step (``between``): from the end of one step to the end of the next."""
@@ -766,6 +928,31 @@ def test_a_real_launch_of_two_ranks_measures_ddp_zero2_fsdp_and_hsdp_within_10_p
     assert fsdp < 0.6 * ddp
     # HSDP of one rank per replica shards nothing: every rank keeps the whole optimizer state, as DDP
     assert max(peak_from(d).by_category["optimizer"] for d in res["hsdp"]["peaks"]) == ddp
+    # torch's MemTracker counted the first round's step on every rank too: an independent count, within
+    # tests/memory_reference.py's LAUNCH_SLACK of LiveMemory's on the same rank
+    from lit_parallel.commands.advise.compare import launch_rows
+    from lit_parallel.commands.terminal import terminal_console
+    from lit_parallel.measure.mem_tracker import CATEGORIES
+    from tests.memory_reference import assert_live_memory_is_torchs
+
+    for strategy in ("ddp_tuned", "zero2", "fsdp_blocks", "hsdp"):
+        torch_peaks = res[strategy]["mem_tracker_peaks"]
+        assert [set(t) for t in torch_peaks] == [{"total", *CATEGORIES}] * 2, torch_peaks
+        ranks = [
+            {"live": live, "torch": t} for live, t in zip(res[strategy]["peaks"], torch_peaks, strict=True)
+        ]
+        assert_live_memory_is_torchs(strategy, ranks)
+    # the rows `advise --verify` prints and writes hold it beside the largest rank's LiveMemory peak
+    args = SimpleNamespace(verify_ranks=2, batch_size=1, seq_len=None, input_shape=None)
+    rows, _ = launch_rows("tests.models:GPT", {}, args, res, terminal_console())
+    totals = {r["strategy"]: r for r in rows if r["figure"] == "peak total"}
+    assert set(totals) == {"ddp_tuned x2", "zero2 x2", "fsdp_blocks x2", "hsdp 2x1"}
+    for label, row in totals.items():
+        strategy = label.split()[0]
+        largest = max(range(2), key=lambda i: res[strategy]["peaks"][i]["total"])
+        assert row["measured"] == res[strategy]["peaks"][largest]["total"]
+        assert row["mem_tracker"] == res[strategy]["mem_tracker_peaks"][largest]["total"], (label, row)
+        assert row["mem_tracker_difference"] == pytest.approx(row["measured"] / row["mem_tracker"] - 1)
 
 
 @pytest.mark.multiprocess
