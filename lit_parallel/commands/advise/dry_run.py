@@ -21,6 +21,8 @@ from rich.markup import escape
 
 from lit_parallel.formatting import format_bytes
 
+# a pipeline stage holding this many times the lightest one's state is reported as uneven
+UNEVEN_STAGES = 1.5
 STRATEGY_CHOICES = ("ddp_tuned", "fsdp_blocks", "hsdp", "tp_dp", "pp_dp", "auto_parallel")
 
 
@@ -49,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="expert_parallel_size of fsdp_blocks, tp_dp and pp_dp (a model with MoE layers)",
+    )
+    g.add_argument(
+        "--step",
+        action="store_true",
+        help="also run one training step (AdamW) of the first rank on fake tensors (shapes only, no memory) and"
+        " report its peak by category, torch's MemTracker counting, beside advise's prediction (micro-batch:"
+        " --batch-size, --seq-len; not for pp_dp)",
     )
     g.add_argument(
         "--rank",
@@ -118,6 +127,58 @@ def _label(run: Any) -> str:
     return f"{run.strategy}({args})" if args else run.strategy
 
 
+def _planner_peaks(args: argparse.Namespace, model_kwargs: dict[str, Any]):
+    """advise's predicted peak per strategy for the same micro-batch (CUDA devices), as a function of a run."""
+    from lit_parallel.commands.advise.report import predict
+
+    pred = predict(
+        args.model,
+        model_kwargs,
+        precision=args.precision,
+        devices=args.devices,
+        nodes=args.nodes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        device_type="cuda",
+        step_time=False,
+        busbw_gbps=None,
+    )
+    peaks = pred.report.peaks
+
+    def of(run: Any) -> Any:
+        # the planner's rows are for fsdp_blocks/hsdp over the cluster and tp_dp over the devices of a node
+        if run.strategy == "ddp_tuned":
+            return peaks.get("ddp_tuned")
+        if run.strategy == "tp_dp" and run.sizes.get("tensor_parallel") != args.devices:
+            return None
+        if run.sizes.get("expert_parallel", 1) > 1 or run.strategy not in peaks:
+            return None
+        return peaks[run.strategy]
+
+    return of
+
+
+def _print_step(console: Any, run: Any, entry: dict[str, Any], planner: Any) -> None:
+    step = run.step
+    if step is None:
+        console.print(f"  [yellow]step[/yellow]: {escape(run.step_note or 'not measured')}")
+        return
+    cats = ", ".join(f"{k} {format_bytes(v, decimal=True)}" for k, v in step.by_category.items() if v)
+    console.print(
+        f"  one step of rank {run.ranks[0].rank} on fake tensors ({escape(step.input_description)}), torch's"
+        f" MemTracker: peak {format_bytes(step.total, decimal=True)} ({cats})"
+    )
+    if planner is not None:
+        gap = (step.total - planner.total) / planner.total if planner.total else 0.0
+        console.print(
+            f"  advise's prediction for the same step: {format_bytes(planner.total, decimal=True)} ({planner.phase});"
+            f" the dry run is {gap:+.1%} from it"
+        )
+        entry["planner_peak_bytes"] = planner.total
+    if run.step_note:
+        console.print(f"  [dim]{escape(run.step_note)}[/dim]")
+
+
 def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
     """``advise --dry-run``: every chosen strategy dry-run, printed (and written with ``--json``)."""
     from lit_parallel.commands.terminal import Column, fit_table, terminal_console
@@ -144,6 +205,7 @@ def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
         " each strategy's own setup on the meta device, no communication"
     )
     out: list[dict[str, Any]] = []
+    predicted = _planner_peaks(args, model_kwargs) if args.step else None
     for name in names:
         if name not in kwargs:
             console.print(f"[yellow]{name}: skipped[/yellow]: give --pipeline-parallel-size to dry-run pp_dp")
@@ -157,6 +219,9 @@ def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
             strategy_kwargs=kwargs[name],
             ranks=args.ranks or "positions",
             memory_gb=args.memory_gb or 80.0,
+            step=args.step,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
         )
         formula = _formula(run_, module, args.precision)
         entry = {**run_.as_dict(), "label": _label(run_)}
@@ -221,6 +286,12 @@ def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
             console.print(f"  tensor parallel splits {len(split)} parameter(s): {escape(_patterns(split))}")
             console.print(f"  and replicates {len(replicated)}: {escape(_patterns(replicated)) or '-'}")
             entry["tensor_parallel"] = {"split": split, "replicated": replicated}
+            if not split:
+                console.print(
+                    f"  [red]tensor parallelism splits no parameter[/red]: each of the {run_.sizes['tensor_parallel']}"
+                    " tensor-parallel ranks holds a whole replica (the plan found no layer to split: see its note"
+                    " below); pass block_types= naming the model's block class, or plan={...}"
+                )
         if run_.sizes.get("pipeline_parallel", 1) > 1:
             stages: dict[int, int] = {}
             for r in run_.ranks:
@@ -232,11 +303,19 @@ def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
                 f"  largest pipeline stage: {heavy} ({format_bytes(stages[heavy], decimal=True)} per rank,"
                 f" x{stages[heavy] / lightest:.2f} the lightest)"
             )
+            if stages[heavy] >= UNEVEN_STAGES * lightest:
+                console.print(
+                    "  [yellow]uneven stages[/yellow]: the slowest stage sets the pace of every step; give"
+                    " split=\\[...] (the blocks where stages 2, 3, ... start) or a pipeline_parallel_size that divides"
+                    " the blocks"
+                )
             entry["largest_stage"] = {
                 "stage": heavy,
                 "state_bytes": stages[heavy],
                 "ratio_to_lightest": stages[heavy] / lightest,
             }
+        if args.step:
+            _print_step(console, run_, entry, predicted(run_))
         for line in run_.log:
             console.print(f"[dim]  {escape(line)}[/dim]")
         out.append(entry)

@@ -5,7 +5,8 @@ every tensor of a forward, backward and AdamW step exist with their shapes, dtyp
 memory, and the collectives of the simulated process group (:mod:`lit_parallel.parallel.simulated`) return
 at once. torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) counts what is live by category
 as the step runs; its peak is the rank's peak. The step is Lightning's order after a first step (so the
-optimizer state exists): forward, loss, backward, ``optimizer.step()``, ``zero_grad()``.
+optimizer state and the last step's gradients exist): forward, loss, ``zero_grad()``, backward,
+``optimizer.step()``.
 
 AdamW runs its ``foreach`` implementation, its default on CUDA. What this cannot measure: a pipeline schedule (its stages exchange activations point to point and the
 simulated group delivers none, so a later stage has nothing to compute on), and what the CUDA caching
@@ -23,8 +24,9 @@ import torch
 from torch import nn
 
 from lit_parallel import _compat
+from lit_parallel.measure.mem_tracker import start_mem_tracker, stop_mem_tracker
 
-# torch's categories (MemTracker's _MemRefType names) -> ours, in the order reported
+# torch's categories (lit_parallel.measure.mem_tracker.CATEGORIES) -> ours, in the order reported
 CATEGORIES = {
     "PARAM": "params",
     "BUFFER": "buffers",
@@ -87,7 +89,7 @@ def measure_step(
     *,
     input_description: str = "",
     context: Callable[[], Any] = nullcontext,
-) -> StepMemory:
+) -> StepMemory | None:
     """The peak of one step of ``module`` on ``args`` (fake tensors, under ``mode``) with AdamW: a first step
     outside the tracker (AdamW makes its state there), then the tracked one; forward and loss run inside
     ``context()`` (the precision plugin's: autocast under mixed precision)."""
@@ -97,23 +99,19 @@ def measure_step(
             [p for p in module.parameters() if p.requires_grad], lr=1e-3, foreach=True
         )
 
-        def step() -> None:
+        def step() -> None:  # Lightning's order: the last step's gradients live until after the forward
             with context():
                 value = loss(module(*args), args)
+            optimizer.zero_grad()
             value.backward()
             optimizer.step()
-            optimizer.zero_grad()
 
         step()
-        tracker = _compat.MemTracker()
-        tracker.track_external(module, optimizer)
-        with tracker:
+        tracker = start_mem_tracker(module, optimizer)
+        if tracker is None:  # a torch without it (said once): the dry run reports no step
+            return None
+        try:
             step()
-        snapshot = tracker.get_tracker_snapshot("peak")
-    by_device = next(iter(snapshot.values()), {})
-    peak = {name: 0.0 for name in CATEGORIES.values()}
-    for ref, value in by_device.items():
-        key = getattr(ref, "name", str(ref))
-        if key in CATEGORIES:
-            peak[CATEGORIES[key]] += float(value)
-    return StepMemory(peak, input_description)
+        finally:
+            peak = stop_mem_tracker(tracker, "cpu")
+    return StepMemory({ours: float(peak[theirs]) for theirs, ours in CATEGORIES.items()}, input_description)
