@@ -29,6 +29,7 @@ from lit_parallel.strategies import (
     TransformerFSDPStrategy,
     TunedDDPStrategy,
 )
+from lit_parallel.strategies.dry_run import DryRun, dry_run
 
 __version__ = "0.1.0"
 
@@ -69,4 +70,7 @@ __all__ = [
     "gather_by_index",
     "per_rank_seed",
     "scaled_learning_rate",
+    # a strategy's real setup on a simulated cluster (advise --dry-run)
+    "DryRun",
+    "dry_run",
 ]

@@ -41,12 +41,17 @@ PLANNER = [
     "lit_parallel.planner.memory.table.MemoryRow",
     "lit_parallel.planner.model_summary.summarize_model",
     "lit_parallel.planner.activations.estimate_activations",
+    "lit_parallel.planner.dry_run.state.rank_state",
+    "lit_parallel.planner.dry_run.state.RankState",
+    "lit_parallel.planner.memory.rank_state.predicted_state",
+    "lit_parallel.planner.dry_run.step.measure_step",
 ]
 
 # lit_parallel.parallel.__all__, by where each name is defined: (section title, module prefixes)
 PARALLEL_SECTIONS = [
     ("The parallelize pipeline", ("lit_parallel.parallel.parallelize",)),
     ("Meshes", ("lit_parallel.parallel.mesh",)),
+    ("Simulated process groups (dry runs)", ("lit_parallel.parallel.simulated",)),
     ("Transformer blocks", ("lit_parallel.parallel.blocks",)),
     ("FSDP2", ("lit_parallel.parallel.fsdp",)),
     ("Tensor parallelism", ("lit_parallel.parallel.tensor_parallel",)),

@@ -35,6 +35,10 @@ BENCHMARKS = {
         "lit_parallel.commands.bench.checkpoint",
         "training blocked per checkpoint save, synchronous vs async_checkpoint vs Lightning's AsyncCheckpointIO",
     ),
+    "dry-run": (
+        "lit_parallel.commands.bench.dry_run",
+        "seconds advise --dry-run takes per strategy and cluster size (2 to 4096 ranks) on a Llama-70B shape",
+    ),
     "callbacks": (
         "lit_parallel.commands.bench.callbacks",
         "cost of SetEpochCheck, CrossRankMetrics, PitfallReport and SyncBatchNormConversion per step and epoch",

@@ -1,6 +1,6 @@
 """Pure PyTorch building blocks (no Lightning import): usable without a Trainer.
 
-Sizes and meshes (``ParallelDims``), transformer blocks, FSDP2 per block, DDP buckets and comm hooks,
+Sizes and meshes (``ParallelDims``), a simulated process group of any size for dry runs (``simulated_world``), transformer blocks, FSDP2 per block, DDP buckets and comm hooks,
 tensor parallelism inside blocks (plan inference, per-family plan providers, application), per-rank memory
 and communication volume, and the measurements of collectives and the waits on them (``PitfallReport``'s
 exposed communication).
@@ -54,6 +54,7 @@ from lit_parallel.parallel.memory import (
     training_state_bytes,
 )
 from lit_parallel.parallel.mesh import ParallelDims
+from lit_parallel.parallel.simulated import is_simulated, simulated_world
 
 # the one orchestrating function: TP -> activation checkpointing -> compile -> FSDP
 from lit_parallel.parallel.parallelize import (
@@ -129,6 +130,8 @@ __all__ = [
     "PlanProvider",
     "plan_fsdp",
     "set_gradient_sync",
+    "simulated_world",
+    "is_simulated",
     "TPLayer",
     "TPPlan",
     "TPPlanError",

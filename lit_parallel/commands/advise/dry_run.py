@@ -122,6 +122,16 @@ def _formula(run: Any, module: Any, precision: str) -> Any:
         return f"{type(err).__name__}: {err}"
 
 
+def _folded(error: str, keep: int = 6) -> str:
+    """A long error (one line per layer) cut to its first ``keep`` lines and its last (the fix); whole in --json."""
+    lines = error.splitlines()
+    if len(lines) <= keep + 2:
+        return error
+    return "\n".join(
+        [*lines[:keep], f"  ... ({len(lines) - keep - 1} more lines: --json has them all)", lines[-1]]
+    )
+
+
 def _label(run: Any) -> str:
     args = ", ".join(f"{k}={v!r}" for k, v in run.kwargs.items())
     return f"{run.strategy}({args})" if args else run.strategy
@@ -230,7 +240,7 @@ def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
         if run_.decision:
             console.print(f"  {escape(run_.decision)}")
         if run_.error:
-            console.print(f"  [red]setup fails[/red]: {escape(run_.error)}")
+            console.print(f"  [red]setup fails[/red]: {escape(_folded(run_.error))}")
             out.append(entry)
             continue
         rows = [
