@@ -88,7 +88,9 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
        above 1 divides both every MoE layer's experts and the devices of a node: ``fsdp_blocks`` with
        ``expert_parallel_size`` the largest such size (each rank holds and gathers 1/e of the experts;
        tokens travel to them by all-to-all);
-    6. otherwise: ``fsdp_blocks``.
+    6. the state and activations sharded over every rank do not fit, but with tensor parallelism inside a
+       node (which also splits the activations inside blocks) they do: ``tp_dp``;
+    7. otherwise: ``fsdp_blocks``.
 
     The decision, the evidence for each rule and the per-rank memory table of every strategy are logged
     on rank 0 (logger ``lit_parallel``) and kept as ``trainer.strategy.advice``
