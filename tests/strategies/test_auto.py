@@ -261,6 +261,17 @@ def test_the_parameter_counts_follow_from_the_layer_sizes():
     assert all(sum(p.numel() for p in block.parameters()) == BLOCK_PARAMS for block in model.layers)
 
 
+def test_decide_keeps_the_cuda_reserve_when_told_the_devices_are_gpus():
+    # a dry run plans an 80 GB GPU from a CPU process: 80 x 0.9 - 1 = 71 GB usable, not the CPU's 72
+    strategy = _connected(lp.AutoStrategy(memory_gb=80)).strategy
+    auto = strategy.advice
+    planned = lp.AutoStrategy(memory_gb=80)
+    L.Trainer(accelerator="cpu", devices=2, strategy=planned, logger=False)
+    gpu = planned.decide(TokenLM(), device_type="cuda")
+    assert (auto.device_type, auto.usable_bytes) == ("cpu", 72e9)
+    assert (gpu.device_type, gpu.usable_bytes) == ("cuda", 71e9)
+
+
 def _connected(strategy: lp.AutoStrategy, num_nodes: int = 1, module=TokenLM) -> L.Trainer:
     """A Trainer of ``num_nodes`` x 2 devices with ``strategy`` and a ``module`` (a TokenLM) attached and
     connected, as ``fit`` does before launching ranks: the strategy has chosen, and ``trainer.strategy`` is
