@@ -36,6 +36,12 @@ where they are most of what FSDP gathers and the saving outweighs the all-to-all
 that divides both every MoE layer's experts (each rank holds the same number) and the devices of one node:
 the ``e`` ranks of an all-to-all group are consecutive, so they stay inside a node, where the links are fast;
 every MoE layer waits for its all-to-all, and across nodes it would run at the slower inter-node bandwidth.
+
+When tensor parallelism pays for the activations (rule 6): sharding divides the model state, never the
+activations, which each rank keeps for its own micro-batch. A long sequence without activation checkpointing
+can need more than the state (a Llama-70B shape at 2048 tokens: about 65 GB per rank in bf16), so sharding
+over every rank may still not fit where tensor parallelism, which splits what happens inside a block over
+the devices of a node, does. Rule 2 looks at one block only; rule 6 at the whole model, with its activations.
 """
 
 from __future__ import annotations
@@ -274,6 +280,24 @@ def _rule_expert_parallel(a: Advice) -> tuple[bool | None, str]:
     return True, f"{reason}{block}{state}"
 
 
+def _rule_tensor_parallel_fits(a: Advice) -> tuple[bool | None, str]:
+    fsdp, tp = a.row("FSDP/ZeRO-3"), a.row("TP+DP")
+    sharded = f"sharded over all {a.world_size} ranks: {format_bytes(fsdp.total_bytes, decimal=True)}"
+    if fsdp.fits:
+        return False, f"{sharded}{a.memory_phrase(fsdp)}: no tensor parallelism needed"
+    split = (
+        f"tensor parallel {a.devices} x FSDP over {a.nodes} node(s): {format_bytes(tp.total_bytes, decimal=True)}"
+        f"{a.memory_phrase(tp)}"
+    )
+    if not tp.fits:
+        return False, f"{sharded} and {split}"
+    act = (
+        f" (activations {format_bytes(fsdp.activation_bytes or 0.0, decimal=True)} under FSDP,"
+        f" {format_bytes(tp.activation_bytes or 0.0, decimal=True)} split inside blocks)"
+    )
+    return True, f"{sharded}{a.memory_phrase(fsdp)}; {split}{act}"
+
+
 def _rule_otherwise(a: Advice) -> tuple[bool | None, str]:
     row = a.row("FSDP/ZeRO-3")
     need = f"sharded over all {a.world_size} ranks: {format_bytes(row.total_bytes, decimal=True)}"
@@ -325,6 +349,15 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         6,
+        "tp_dp",
+        "the model state and activations sharded over every rank (FSDP) do not fit one device, but with"
+        " tensor parallelism inside a node (blocks split over its devices, FSDP across nodes) they do",
+        "FSDP divides the model state but not the activations: every rank keeps those of its own"
+        " micro-batch. Tensor parallelism also splits what happens inside a block, so its activations too",
+        _rule_tensor_parallel_fits,
+    ),
+    Rule(
+        7,
         "fsdp_blocks",
         "otherwise",
         "sharding over every rank gives the smallest model state per rank",

@@ -88,7 +88,9 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
        above 1 divides both every MoE layer's experts and the devices of a node: ``fsdp_blocks`` with
        ``expert_parallel_size`` the largest such size (each rank holds and gathers 1/e of the experts;
        tokens travel to them by all-to-all);
-    6. otherwise: ``fsdp_blocks``.
+    6. the state and activations sharded over every rank do not fit, but with tensor parallelism inside a
+       node (which also splits the activations inside blocks) they do: ``tp_dp``;
+    7. otherwise: ``fsdp_blocks``.
 
     The decision, the evidence for each rule and the per-rank memory table of every strategy are logged
     on rank 0 (logger ``lit_parallel``) and kept as ``trainer.strategy.advice``
@@ -261,9 +263,15 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
         ``strategy_kwargs``."""
         return {**self._common_kwargs, **self._strategy_kwargs.get(name, {})}
 
-    def decide(self, model: Any) -> Advice | None:
+    def decide(self, model: Any, device_type: str | None = None) -> Advice | None:
         """Measure ``model`` and the devices and apply the rules (no process group needed); ``None`` for a
-        model without parameters (nothing to shard: ``ddp_tuned``)."""
+        model without parameters (nothing to shard: ``ddp_tuned``).
+
+        Args:
+            device_type: the type of the devices the memory is of; default: this strategy's root device's.
+                A dry run plans for GPUs from a CPU process and passes ``"cuda"``, so the 1 GB a CUDA process
+                reserves is kept (:func:`~lit_parallel.planner.rules.usable_memory`).
+        """
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if precision not in PRECISIONS:
             raise ValueError(
@@ -292,7 +300,7 @@ class AutoStrategy(ReliableStrategyMixin, DDPStrategy):
             block_types=block_types,
             memory_headroom=self._memory_headroom,
             # a GPU's memory also holds the CUDA context and NCCL's buffers, outside the allocator
-            device_type=self.root_device.type,
+            device_type=device_type or self.root_device.type,
         )
         advice.memory_source = source
         info(advice.describe())

@@ -517,7 +517,7 @@ def test_bench_report_fits_the_terminal(name, width, capsys, monkeypatch):
 
 DEMO_RESULT = {
     "strategy": "fsdp_blocks",
-    "auto": "rule 6: sharded over all 2 ranks: 2.12 MB <= 14.40 GB usable of 16.00 GB of device memory",
+    "auto": "rule 7: sharded over all 2 ranks: 2.12 MB <= 14.40 GB usable of 16.00 GB of device memory",
     "world_size": 2,
     "backend": "gloo",
     "train_samples": 1437,

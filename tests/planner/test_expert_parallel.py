@@ -105,7 +105,7 @@ def test_a_dense_model_never_gets_expert_parallelism():
     assert (a.recommendation, a.strategy_arguments, a.expert_parallel_size) == ("fsdp_blocks", {}, 1)
     rule, holds, evidence = a.evaluations[4]
     assert (rule.number, holds) == (5, False) and evidence.startswith("no MoE layers")
-    assert a.rule.number == 6 and "FSDP+EP" not in [r.name for r in a.rows]
+    assert a.rule.number == 7 and "FSDP+EP" not in [r.name for r in a.rows]
 
 
 def test_experts_below_half_of_the_parameters_are_not_split():

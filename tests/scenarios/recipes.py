@@ -2,7 +2,8 @@
 header, shortened only by ``max_steps`` (set to the config's ``val_check_interval``, so the run ends on its
 first validation, with the config's ``limit_val_batches``); configs that count epochs run whole. Display
 flags (progress bar, model summary) are the only other change. Used by tests/test_recipes.py (the 2-rank
-configs) and tests/scenarios/pipeline.py (gpt_pp on 4 ranks)."""
+configs) and tests/scenarios/pipeline.py (gpt_pp on 4 ranks); their models, built on the meta device
+(:func:`recipe_model`), by tests/strategies/test_auto_at_scale.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
+import torch
 import yaml
 
 from tests.harness import REPO_ROOT
@@ -63,6 +66,15 @@ def recipe_module(script: str):
     if str(RECIPES) not in sys.path:
         sys.path.insert(0, str(RECIPES))
     return importlib.import_module(Path(script).stem)
+
+
+def recipe_model(config: str, cls: str) -> Any:
+    """The LightningModule ``cls`` of ``config``'s recipe (the script its header runs), built with the config's
+    ``model`` section on the meta device: the recipe's model at its default size, no memory used."""
+    script = next(a for a in header_commands(config)[0] if a.endswith(".py"))
+    module = getattr(recipe_module(script), cls)
+    with torch.device("meta"):
+        return module(**load_config(config)["model"])
 
 
 def run_as_written(config: str, nproc: int, folder: Path):

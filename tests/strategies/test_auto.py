@@ -46,7 +46,7 @@ BLOCK_STATE_BYTES = BLOCK_PARAMS * (FP32.compute + FP32.compute)  # one block's 
 
 PLENTY = None  # the machine's RAM / ranks: the whole state fits -> ddp_tuned (rule 1)
 # halfway between ZeRO-3's model state per rank and DDP's: DDP's state alone does not fit, one block (a
-# fraction of ZeRO-3's state) with its activations does -> fsdp_blocks (rule 6; no experts, so not rule 5)
+# fraction of ZeRO-3's state) with its activations does -> fsdp_blocks (rule 7; no experts, so not rule 5)
 BETWEEN = (ZERO3_STATE_BYTES + DDP_STATE_BYTES) / 2 / GB
 # half of one block's parameters and gradients: the block does not fit even without activations -> tp_dp
 # (rule 2)
@@ -209,9 +209,9 @@ def no_parameters_validates(ctx) -> dict:
     ("scenario", "cls", "name", "rule"),
     [
         ("picks_ddp_tuned", "TunedDDPStrategy", "ddp_tuned", 1),
-        ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 6),
+        ("picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 7),
         ("picks_tp_dp", "TensorParallelStrategy", "tp_dp", 2),
-        ("setup_built_picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 6),
+        ("setup_built_picks_fsdp_blocks", "TransformerFSDPStrategy", "fsdp_blocks", 7),
     ],
 )
 def test_auto_parallel_becomes_the_strategy_the_rules_choose_and_trains_exactly_like_it(
@@ -261,6 +261,17 @@ def test_the_parameter_counts_follow_from_the_layer_sizes():
     assert all(sum(p.numel() for p in block.parameters()) == BLOCK_PARAMS for block in model.layers)
 
 
+def test_decide_keeps_the_cuda_reserve_when_told_the_devices_are_gpus():
+    # a dry run plans an 80 GB GPU from a CPU process: 80 x 0.9 - 1 = 71 GB usable, not the CPU's 72
+    strategy = _connected(lp.AutoStrategy(memory_gb=80)).strategy
+    auto = strategy.advice
+    planned = lp.AutoStrategy(memory_gb=80)
+    L.Trainer(accelerator="cpu", devices=2, strategy=planned, logger=False)
+    gpu = planned.decide(TokenLM(), device_type="cuda")
+    assert (auto.device_type, auto.usable_bytes) == ("cpu", 72e9)
+    assert (gpu.device_type, gpu.usable_bytes) == ("cuda", 71e9)
+
+
 def _connected(strategy: lp.AutoStrategy, num_nodes: int = 1, module=TokenLM) -> L.Trainer:
     """A Trainer of ``num_nodes`` x 2 devices with ``strategy`` and a ``module`` (a TokenLM) attached and
     connected, as ``fit`` does before launching ranks: the strategy has chosen, and ``trainer.strategy`` is
@@ -274,7 +285,7 @@ def _connected(strategy: lp.AutoStrategy, num_nodes: int = 1, module=TokenLM) ->
 
 
 @pytest.mark.parametrize(
-    ("memory_gb", "name", "rule"), [(BETWEEN, "fsdp_blocks", 6), (TINY, "tp_dp", 2)], ids=["between", "tiny"]
+    ("memory_gb", "name", "rule"), [(BETWEEN, "fsdp_blocks", 7), (TINY, "tp_dp", 2)], ids=["between", "tiny"]
 )
 def test_the_memory_settings_of_the_launched_scenarios_land_on_their_rules(memory_gb, name, rule):
     # the same decision the launched scenarios above make on each rank, made here in one process
@@ -426,7 +437,7 @@ def test_a_dense_model_gets_fsdp_blocks_without_expert_parallelism():
     s = _connected(lp.AutoStrategy(memory_gb=BETWEEN)).strategy
     assert type(s) is lp.TransformerFSDPStrategy and s._ep_size == 1
     rule, holds, evidence = s.advice.evaluations[4]
-    assert (rule.number, holds, s.advice.rule.number) == (5, False, 6) and evidence.startswith(
+    assert (rule.number, holds, s.advice.rule.number) == (5, False, 7) and evidence.startswith(
         "no MoE layers"
     )
 

@@ -25,6 +25,7 @@ from lit_parallel.planner.rules import (
     summarize_model,
 )
 from lit_parallel.strategies.auto import strategy_choice
+from tests.large_models import LLAMA_70B_PARAMS, llama_70b
 
 GB = 1e9
 
@@ -119,12 +120,34 @@ def test_rule_4_several_nodes_and_state_fits_only_in_pipeline_stages_gives_pp_dp
     assert b.recommendation == "pp_dp" and "pipeline_parallel_size=3" in b.evaluations[-1][2]
 
 
-def test_rule_6_otherwise_fsdp_blocks():
-    # one node: rules 3 and 4 never apply; a parameter count says nothing of experts: rule 5 is n/a;
+def test_rule_6_activations_that_only_tensor_parallelism_splits_give_tp_dp():
+    # A Llama-70B shape at 2048 tokens keeps about 65 GB of activations per rank (bf16, no checkpointing). On
+    # 4 nodes of 8 x 80 GB (71 GB usable), FSDP's state, 16 x P / 32 = 35.3 GB, plus all of them does not
+    # fit; tensor parallel 8 x FSDP over 4 nodes splits the activations inside blocks by 8: it fits.
+    a = advise(model=llama_70b(), devices=8, nodes=4, memory_gb=80)
+    assert (a.recommendation, a.rule.number, a.strategy_arguments) == ("tp_dp", 6, {})
+    assert [holds for _, holds, _ in a.evaluations] == [False, False, False, False, False, True]
+    fsdp, tp, act = a.row("FSDP/ZeRO-3"), a.row("TP+DP"), a.activations
+    assert fsdp.state_bytes == pytest.approx(16 * LLAMA_70B_PARAMS / 32)
+    assert fsdp.activation_bytes == act.total_bytes > 60e9
+    assert tp.activation_bytes == pytest.approx(act.block_bytes / 8 + (act.total_bytes - act.block_bytes))
+    assert fsdp.total_bytes > 71e9 >= tp.total_bytes
+    assert "tensor parallel 8 x FSDP over 4 node(s)" in a.evaluations[-1][2] and not a.warnings
+    # on 32 nodes sharding over all 256 ranks fits (4.4 GB + 65 GB): rule 6 does not hold there
+    wide = advise(model=llama_70b(), devices=8, nodes=32, memory_gb=80)
+    assert wide.recommendation == "pp_dp" and all(rule.number != 6 for rule, _, _ in wide.evaluations)
+    # on 2 nodes neither fits (tensor parallel 8 x FSDP over 2: 85 GB of state): the last resort, warned
+    narrow = advise(model=llama_70b(), devices=8, nodes=2, memory_gb=80)
+    assert (narrow.rule.number, narrow.evaluations[5][1]) == (7, False) and narrow.warnings
+
+
+def test_rule_7_otherwise_fsdp_blocks():
+    # one node: rules 3 and 4 never apply; a parameter count says nothing of experts: rule 5 is n/a; without
+    # a model there are no activations, and tensor parallelism's state is never below FSDP's: rule 6 is no;
     # 20e9 x 16 / 8 = 40 GB per rank
     one_node = advise(20e9, devices=8, memory_gb=80, block_params=0.5e9)
-    assert (one_node.recommendation, one_node.rule.number) == ("fsdp_blocks", 6)
-    assert [holds for _, holds, _ in one_node.evaluations] == [False, False, False, False, None, True]
+    assert (one_node.recommendation, one_node.rule.number) == ("fsdp_blocks", 7)
+    assert [holds for _, holds, _ in one_node.evaluations] == [False, False, False, False, None, False, True]
     assert one_node.strategy_arguments == {} and one_node.choice == "fsdp_blocks"
     assert one_node.row("FSDP/ZeRO-3").state_bytes == pytest.approx(40e9)
     assert not one_node.warnings
@@ -152,6 +175,7 @@ def test_rules_are_one_ordered_table_shared_with_the_docs():
         "hsdp",
         "pp_dp",
         "fsdp_blocks",
+        "tp_dp",
         "fsdp_blocks",
     ]
     table = rules_markdown().splitlines()
@@ -377,7 +401,7 @@ def test_the_fallback_rule_never_reads_yes_next_to_a_figure_that_does_not_fit(ca
     monkeypatch.setenv("COLUMNS", "300")
     assert main(["advise", "--params", "70e9", "--devices", "8", "--memory-gb", "80"]) == 0
     out = capsys.readouterr().out
-    line = next(s for s in out.splitlines() if s.strip().startswith("6. fsdp_blocks"))
+    line = next(s for s in out.splitlines() if s.strip().startswith("7. fsdp_blocks"))
     assert "yes" not in line and "last resort" in line and "does not fit" in line and "140.00 GB" in line
     a = advise(70e9, devices=8, memory_gb=80)
     assert a.verdict(RULES[-1], True) == "last resort"
