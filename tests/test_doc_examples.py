@@ -95,6 +95,24 @@ def check_choosing_a_strategy(runs):
         assert any("-> hsdp (rule 3)" in line for line in description), run["stdout"]
 
 
+def check_dry_run(runs):
+    # tp_dp, tensor parallel 4 x FSDP over 128 data-parallel ranks (512 simulated ranks), rank 0, by hand: each
+    # parameter's rows after the tensor-parallel split, padded to a multiple of 128, x 16 bytes (fp32 parameter
+    # and gradient, AdamW's two fp32 states). Per layer: q (64 of 256 rows) 1 x 256, k and v (32 rows) 1 x 256
+    # each, o (row-wise: 256 rows of 64) 2 x 64, gate and up (176 of 704 rows) 2 x 256 each, down (256 rows of
+    # 176) 2 x 176, two norms 2 each; the embedding and the head (1000 rows, replicated by tensor parallelism)
+    # 8 x 256 each, the final norm 2
+    layer = 256 + 2 * 256 + 2 * 64 + 2 * 2 * 256 + 2 * 176 + 2 * 2
+    elements = 4 * layer + 2 * 8 * 256 + 2
+    for run in runs:
+        mesh, figures = run["stdout"].splitlines()[-2:]
+        assert (
+            mesh == "data_parallel_replicate=1 x data_parallel_shard=128 x tensor_parallel=4 (world size 512)"
+        )
+        # 4 layers x 7 projections split; the embedding, the head, 8 layer norms and the final norm replicated
+        assert figures.split() == ["0", str(16 * elements), "28", "11"], run["stdout"]
+
+
 @check("docs/reference/strategies/ddp_tuned.md")
 def check_ddp_tuned(runs):
     _trained(runs, "TunedDDPStrategy", steps=2 * 192 // (2 * 16))  # 2 epochs of 192 samples, 2 ranks x 16
@@ -337,6 +355,34 @@ def test_each_command_runs_as_shown(command, tmp_path):
 
 
 # --- the complete Python examples run as written ----------------------------------------------------------
+
+
+# the examples of dry runs: each simulates its own process group, so it runs in a plain process (not in the
+# launch of the other examples); the value checks what it printed, or nothing more than exiting with 0
+DRY_RUN_EXAMPLES = {"docs/how-to/dry-run.md": check_dry_run, "docs/how-to/choosing-a-strategy.md": None}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", list(DRY_RUN_EXAMPLES))
+def test_each_dry_run_example_runs_as_written_in_a_plain_process(path, tmp_path):
+    blocks = [
+        b
+        for b in all_blocks()
+        if b.path == path and b.language in PYTHON and b.marker == "not run" and "dry run" in b.detail
+    ]
+    assert len(blocks) == 1, (
+        f"{path}: expected one Python dry-run example marked not run, found {len(blocks)}"
+    )
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0].text)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    res = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280
+    )
+    assert res.returncode == 0, f"{blocks[0].where}:\n{(res.stdout + res.stderr)[-4000:]}"
+    check = DRY_RUN_EXAMPLES[path]
+    if check is not None:
+        check([{"stdout": res.stdout}])
 
 
 @pytest.fixture(scope="module")

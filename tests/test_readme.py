@@ -38,6 +38,8 @@ KINDS = {
     "function": inspect.isfunction,
     "warning": lambda obj: inspect.isclass(obj) and issubclass(obj, Warning),
     "error": lambda obj: inspect.isclass(obj) and issubclass(obj, Exception) and not issubclass(obj, Warning),
+    # a plain class (a result type): not a callback, warning or error
+    "class": lambda obj: inspect.isclass(obj) and not issubclass(obj, (Callback, BaseException)),
 }
 
 

@@ -145,6 +145,54 @@ NOTES = """
   (`advise` prints why).
 """
 NOT_COVERED = ""
+# The section on dry runs: static text (its figures: `python -m pytest -s tests/planner/dry_run/test_step.py`)
+DRY_RUNS = """
+## Dry runs
+
+`advise --dry-run` ([Check a 1024-GPU layout on your laptop](../how-to/dry-run.md)) runs each strategy's
+real setup on a simulated cluster and reads what every rank holds from the parameters themselves. Two
+checks come out of it.
+
+**Model state per rank: exact.** With a model (`--model`), `advise`'s memory table is the state of the rank
+holding the most, by per-tensor formulas (`lit_parallel.planner.memory.rank_state`): each parameter's dim 0
+padded to a multiple of the ranks sharding it (FSDP2 stores the padded shard on every rank), and, for `tp_dp`,
+the shapes the tensor-parallel plan leaves on one rank (norms, embeddings and whatever the plan replicates
+stay whole). With `--params` only, the shapes are unknown and the state is divided evenly (ZeRO's accounting).
+`tests/planner/dry_run/test_dry_run.py` holds the formulas equal to the dry runs' state, to the byte, for
+`ddp_tuned`, `fsdp_blocks` (also ZeRO-2 and with `expert_parallel_size`), `hsdp`, `tp_dp` and `pp_dp` at 2, 8,
+64, 512 and 4096 ranks, under `32-true` category by category and under `bf16-mixed` in total (FSDP2 stores
+fp32 parameters and gradients there, 4 + 4 + 8 bytes per parameter, where ZeRO's accounting counts 2 + 2 + 12).
+The same file holds `advise`'s table to the dry runs at those sizes. Writing these formulas found two things:
+the even division undercounts at scale (a tiny model over 4096 ranks stores one padded row of every
+parameter: many times its even share), and `tp_dp`'s row had counted the norms inside blocks (and a mixture
+of experts' experts) as split.
+
+**One step's peak: close.** `advise --dry-run --step` runs one training step of the first rank on fake
+tensors (torch's `FakeTensorMode`) and counts its peak with torch's `MemTracker`. On one process the fake
+step holds what the real step holds (parameters, gradients and optimizer state to the byte, the total within
+3 %: `tests/planner/dry_run/test_step.py`). Against `advise`'s prediction for the same step (a 4-layer Llama
+of 1.05 million parameters, micro-batch 2 x 64 tokens, tensor parallelism over 2 devices; `python -m pytest -s
+tests/planner/dry_run/test_step.py`, torch 2.13):
+
+| precision | ranks | `fsdp_blocks` | `hsdp` | `tp_dp` |
+|---|---:|---:|---:|---:|
+| 32-true | 2 | -1.4% | -1.4% | +0.0% |
+| 32-true | 8 | +1.5% | -1.4% | -4.4% |
+| 32-true | 64 | +2.3% | -1.4% | -5.7% |
+| 32-true | 512 | +8.1% | -1.4% | +0.5% |
+| bf16-mixed | 2 | -2.7% | -2.7% | +0.0% |
+| bf16-mixed | 8 | -4.9% | -2.7% | -2.8% |
+| bf16-mixed | 64 | -6.7% | -2.7% | -4.7% |
+| bf16-mixed | 512 | **+19.7%** | -2.7% | -4.6% |
+
+(dry run / `advise` - 1). The one large gap is `fsdp_blocks` under `bf16-mixed` over 512 ranks of this tiny
+model, where every parameter's rows are padded to 512 and the gathered groups are several times the model:
+the dry run's peak is in forward with a block gathered, and `advise`'s forward moment misses part of its
+temporaries there (left as it is: no model worth 512 GPUs is padded like that). The test holds every other
+case within 10 %. What a dry-run step cannot measure: `pp_dp` (its stages exchange activations, which a
+simulated process group does not deliver), DDP's gradient buckets (the step of `ddp_tuned` is the model's
+own), and the CUDA allocator's and NCCL's own memory.
+"""
 # The section on the two counters of a measured peak: static text with the figures of one run of the command
 # in it (not rebuilt by this script; run that command and paste its peaks to refresh them).
 COUNTERS = """
@@ -321,6 +369,7 @@ def main() -> int:
                          f" | {statistics.median(errs):.1%} |" if errs else f"| {run} | - | - | - |")  # fmt: skip
     lines += NOTES.format(misses=_misses(rows)).splitlines()
     lines += COUNTERS.rstrip("\n").splitlines()
+    lines += DRY_RUNS.rstrip("\n").splitlines()
     if NOT_COVERED:
         lines += ["", f"Not covered: {NOT_COVERED}."]
     if failures:

@@ -54,7 +54,6 @@ from lit_parallel.parallel.memory import (
     training_state_bytes,
 )
 from lit_parallel.parallel.mesh import ParallelDims
-from lit_parallel.parallel.simulated import is_simulated, simulated_world
 
 # the one orchestrating function: TP -> activation checkpointing -> compile -> FSDP
 from lit_parallel.parallel.parallelize import (
@@ -63,6 +62,7 @@ from lit_parallel.parallel.parallelize import (
     apply_compile,
     parallelize,
 )
+from lit_parallel.parallel.simulated import is_simulated, simulated_world
 from lit_parallel.parallel.tensor_parallel import (
     TPLayer,
     TPPlan,

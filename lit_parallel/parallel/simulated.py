@@ -13,6 +13,7 @@ parameter model costs no memory.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -45,8 +46,10 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
             "a process group already exists in this process; a dry run simulates its own world and must"
             " run outside a launched job (call it from a plain `python` process, or destroy the group first)"
         )
+    hook = sys.excepthook  # init_process_group wraps it to prefix tracebacks with the rank: put it back after
     dist.init_process_group(BACKEND, store=_compat.FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook

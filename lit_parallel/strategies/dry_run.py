@@ -417,7 +417,8 @@ def _auto_choice(
         enable_model_summary=False,
     )
     module = _as_lightning(factory())
-    advice = strategy.decide(module)
+    # planning GPUs from a CPU process: the usable memory keeps CUDA's reserve
+    advice = strategy.decide(module, device_type="cuda")
     name, extra = strategy_choice(advice, module)
     why = (
         "the model has no parameters"

@@ -232,7 +232,14 @@ def exact_rows(
         strategy, sizes = layouts[row.name]
         try:
             f = predicted_state(strategy, module, sizes, precision=precision, block_types=block_types)
-        except (TPPlanError, NoBlocksFoundError, ValueError) as err:
+        except TPPlanError as err:
+            # tp_dp's setup would fail the same way: the row cannot be chosen
+            notes.append(
+                f"{row.name}: tp_dp cannot split this model over {devices} devices: {str(err).splitlines()[-1]}"
+            )
+            out.append(replace(row, fits=False))
+            continue
+        except (NoBlocksFoundError, ValueError) as err:
             notes.append(f"{row.name}: state divided evenly ({str(err).splitlines()[0]})")
             out.append(row)
             continue

@@ -127,7 +127,8 @@ def memory_rows(
 
     split = functools.partial(_split, params, trainable, b)
     tp, dp = devices, nodes
-    inside = params if tp_split_params is None else tp_split_params
+    # tensor parallelism leaves experts whole (expert parallelism splits them): they are sharded like the rest
+    inside = (params if tp_split_params is None else tp_split_params) - expert_params
     frac = inside / params if params else 1.0
     # TP+DP: block parameters are split over tp and sharded over dp (1/world); the rest only over dp.
     zero3 = split("zero3", world, world)
