@@ -84,7 +84,9 @@ def test_rule_5_gives_fsdp_blocks_with_expert_parallelism_when_experts_dominate(
     # dim 0 padded to a multiple of 2 (the rank holding the most; an even number of experts needs no padding)
     row = a.row("FSDP+EP")
     assert row.strategy == "fsdp_blocks(expert_parallel_size=2)" and row.fits
-    half = sum(-(-p.shape[0] // 2) * p[0].numel() if p.dim() else 1 for p in dict.fromkeys(build().parameters()))
+    half = sum(
+        -(-p.shape[0] // 2) * p[0].numel() if p.dim() else 1 for p in dict.fromkeys(build().parameters())
+    )
     assert params / 2 <= half < params / 2 + 1000
     assert row.state_bytes == FP32 * half == a.row("FSDP/ZeRO-3").state_bytes
     assert "experts / 2 (expert parallel) / 1 (FSDP); the rest / 2" == row.sharding

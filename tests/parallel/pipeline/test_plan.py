@@ -87,8 +87,14 @@ def test_tied_weights_across_stages_are_refused():
 
 def test_more_stages_than_blocks_is_refused():
     model = GPT(GPTConfig(n_layer=2))
-    with pytest.raises(ValueError, match="cannot cut 2 blocks into 4 stages"):
-        plan_pipeline(model, find_transformer_blocks(model), pp_size=2, schedule="LoopedBFS", microbatches=2)
+    blocks = find_transformer_blocks(model)
+    # the value, the rule and the fix: the largest size that gives every stage a block, or one stage per rank
+    with pytest.raises(
+        ValueError, match=r"makes 4 stages, but the model has 2 blocks.*at most 1 or a schedule with one"
+    ):
+        plan_pipeline(model, blocks, pp_size=2, schedule="LoopedBFS", microbatches=2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=3 .* 3 stages, .* at most 2$"):
+        plan_pipeline(model, blocks, pp_size=3, schedule="1F1B", microbatches=3)
 
 
 def test_plan_table_is_one_short_table():
