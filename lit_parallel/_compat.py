@@ -542,6 +542,15 @@ FEATURES: dict[str, Feature] = {
         lost=True,
         probe=_torch_at_least("2.12"),
     ),
+    "fake_foreach_dtensor": Feature(
+        "AdamW's foreach step over fake DTensors holding no more than the optimizer state",
+        "2.13",
+        "a dry run's measured step (advise --dry-run --step) uses AdamW's for-loop implementation: torch 2.11's"
+        " foreach step over fake DTensors allocated several copies of the optimizer state (checked with 2.11"
+        " and 2.13; 2.12 not checked)",
+        lost=False,
+        probe=_torch_at_least("2.13"),
+    ),
     "c10d_single_collectives": Feature(
         "torch.distributed.all_gather_single / reduce_scatter_single",
         "2.13",

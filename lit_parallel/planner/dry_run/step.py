@@ -8,9 +8,11 @@ as the step runs; its peak is the rank's peak. The step is Lightning's order aft
 optimizer state and the last step's gradients exist): forward, loss, ``zero_grad()``, backward,
 ``optimizer.step()``.
 
-AdamW runs its ``foreach`` implementation, its default on CUDA. What this cannot measure: a pipeline schedule (its stages exchange activations point to point and the
-simulated group delivers none, so a later stage has nothing to compute on), and what the CUDA caching
-allocator adds (fragmentation, NCCL's buffers): the fake tensors live on the CPU device.
+AdamW runs its ``foreach`` implementation, its default on CUDA (its for-loop one on a torch whose foreach step
+over fake DTensors holds more: ``_compat`` feature ``fake_foreach_dtensor``). What this cannot measure: a
+pipeline schedule (its stages exchange activations point to point and the simulated group delivers none, so a
+later stage has nothing to compute on), and what the CUDA caching allocator adds (fragmentation, NCCL's
+buffers): the fake tensors live on the CPU device.
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ def measure_step(
     outside the tracker (AdamW makes its state there), then the tracked one; forward and loss run inside
     ``context()`` (the precision plugin's: autocast under mixed precision)."""
     with mode:
-        # foreach: AdamW's default on CUDA (one scratch copy of the parameters), what advise predicts for GPUs
+        # foreach: AdamW's default on CUDA (one scratch copy of the parameters), what advise predicts for GPUs,
+        # where this torch's fake step allows it (_compat feature "fake_foreach_dtensor")
         optimizer = torch.optim.AdamW(
-            [p for p in module.parameters() if p.requires_grad], lr=1e-3, foreach=True
+            [p for p in module.parameters() if p.requires_grad],
+            lr=1e-3,
+            foreach=_compat.has_feature("fake_foreach_dtensor"),
         )
 
         def step() -> None:  # Lightning's order: the last step's gradients live until after the forward
