@@ -30,8 +30,8 @@ LLAMA_70B = dict(
 TINY = dict(
     hidden_size=64,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
     intermediate_size=96,
     vocab_size=256,
 )
