@@ -164,9 +164,11 @@ def _quiet() -> Iterator[list[str]]:
 def _build(
     name: str, kwargs: dict[str, Any], devices: int, num_nodes: int, precision: str
 ) -> tuple[Any, L.Trainer]:
-    from lit_parallel.strategies.auto import CANDIDATES
+    """The strategy ``name`` and a Trainer for the cluster shape holding it (its constructor checks the sizes
+    and the precision, as on the cluster); ``auto_parallel`` too."""
+    from lit_parallel.strategies.auto import CANDIDATES, AutoStrategy
 
-    strategy = CANDIDATES[name](**kwargs)
+    strategy = AutoStrategy(**kwargs) if name == "auto_parallel" else CANDIDATES[name](**kwargs)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -402,20 +404,9 @@ def _auto_choice(
     factory: Callable[[], nn.Module], devices: int, num_nodes: int, precision: str, memory_gb: float
 ) -> tuple[str, dict[str, Any], str]:
     """The strategy ``auto_parallel`` chooses for the model and cluster, its arguments, and why."""
-    from lit_parallel.strategies.auto import AutoStrategy, strategy_choice
+    from lit_parallel.strategies.auto import strategy_choice
 
-    strategy = AutoStrategy(memory_gb=memory_gb)
-    L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    strategy, _ = _build("auto_parallel", {"memory_gb": memory_gb}, devices, num_nodes, precision)
     module = _as_lightning(factory())
     # planning GPUs from a CPU process: the usable memory keeps CUDA's reserve
     advice = strategy.decide(module, device_type="cuda")
@@ -425,8 +416,5 @@ def _auto_choice(
         if advice is None
         else f"rule {advice.rule.number if advice.rule else '?'}"
     )
-    return (
-        name,
-        extra,
-        f"auto_parallel chose {name}{'(' + ', '.join(f'{k}={v!r}' for k, v in extra.items()) + ')' if extra else ''} ({why})",
-    )
+    arguments = f"({', '.join(f'{k}={v!r}' for k, v in extra.items())})" if extra else ""
+    return name, extra, f"auto_parallel chose {name}{arguments} ({why})"

@@ -52,6 +52,22 @@ def _no_process_group():
     assert not dist.is_initialized()  # every dry run destroys the world it simulated
 
 
+def _rank0(strategy, devices, nodes, precision, kwargs):
+    """Rank 0's state after ``strategy``'s dry run on the llama model."""
+    run = dry_run(
+        llama,
+        strategy,
+        devices=devices,
+        num_nodes=nodes,
+        precision=precision,
+        strategy_kwargs=kwargs,
+        ranks="first",
+    )
+    assert run.error is None, (strategy, kwargs, run.error)
+    (rank0,) = run.ranks
+    return rank0
+
+
 def _check(real, formula, precision):
     if precision == "32-true":  # the stored dtypes are ZeRO's accounting: category by category
         assert (real.param_bytes, real.grad_bytes, real.optimizer_bytes) == (
@@ -84,18 +100,7 @@ def test_sharded_state_equals_the_formulas_at_every_world_size(world, precision)
         ),
     }
     for name, (kwargs, formula) in runs.items():
-        run = dry_run(
-            llama,
-            name,
-            devices=devices,
-            num_nodes=nodes,
-            precision=precision,
-            strategy_kwargs=kwargs,
-            ranks="first",
-        )
-        assert run.error is None, (name, run.error)
-        (rank0,) = run.ranks
-        _check(rank0, formula, precision)
+        _check(_rank0(name, devices, nodes, precision, kwargs), formula, precision)
     # by hand, for fsdp_blocks: each parameter's rows padded to a multiple of the world, one share per rank
     hand = sum(
         math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) for p in dict.fromkeys(model.parameters())
@@ -313,23 +318,14 @@ def test_the_advise_table_equals_the_dry_run_of_each_strategy(world, precision):
     }
     gathered = sum(p.numel() for p in llama().parameters()) * (4 if precision == "32-true" else 2)
     for row, (name, kwargs) in runs.items():
-        run = dry_run(
-            llama,
-            name,
-            devices=devices,
-            num_nodes=nodes,
-            precision=precision,
-            strategy_kwargs=kwargs,
-            ranks="first",
-        )
-        assert run.error is None, (row, run.error)
+        rank0 = _rank0(name, devices, nodes, precision, kwargs)
         table = advice.row(row)
         # ZeRO-2's row also counts every parameter gathered from forward to backward (not stored state)
         extra = gathered if row == "ZeRO-2" else 0
-        assert table.state_bytes - extra == run.ranks[0].state_bytes, row
+        assert table.state_bytes - extra == rank0.state_bytes, row
         if precision == "32-true":
             assert (table.param_bytes - extra, table.grad_bytes, table.optimizer_bytes) == (
-                run.ranks[0].param_bytes,
-                run.ranks[0].grad_bytes,
-                run.ranks[0].optimizer_bytes,
+                rank0.param_bytes,
+                rank0.grad_bytes,
+                rank0.optimizer_bytes,
             ), row
