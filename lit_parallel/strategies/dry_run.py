@@ -331,12 +331,11 @@ def _run_ranks(
         }
     else:
         out.sizes = {"world": world, "data_parallel_replicate": world, "data_parallel_shard": 1}
-    todo: list[tuple[int, dict[str, int]] | None] = [None]  # rank 0 first: it finds the positions
-    explicit = [] if isinstance(ranks, str) else list(ranks)
+    # the ranks asked for, or rank 0 first: its mesh gives the other positions
+    todo = list(dict.fromkeys(ranks)) if not isinstance(ranks, str) else [0]
     done: set[int] = set()
     while todo:
-        item = todo.pop(0)
-        rank, coords = (explicit[0] if explicit else 0, {}) if item is None else item
+        rank = todo.pop(0)
         if rank in done:
             continue
         first = not out.ranks
@@ -362,13 +361,11 @@ def _run_ranks(
                         "ddp_tuned: the step of the model without DDP (DDP cannot wrap fake parameters): DDP keeps"
                         " the gradients in its buckets for the whole step, one more copy of them at the peak"
                     )
+            coords: dict[str, int] = {}
             if mesh is not None:
                 coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate() or ()))
-                if item is None:
-                    if ranks == "positions":
-                        todo.extend(p for p in positions(mesh) if p[0] != rank)
-                    elif explicit:
-                        todo.extend((r, {}) for r in explicit[1:])
+                if first and ranks == "positions":
+                    todo.extend(r for r, _ in positions(mesh) if r != rank)
             # FSDP2's root group lives on the wrapper: read the whole module, name parameters as the user does
             prefix = "model." if isinstance(module, _Wrapped) else ""
             state = rank_state(module, rank, coords, prefix=prefix, sharded_by=stages)

@@ -329,3 +329,17 @@ def test_the_advise_table_equals_the_dry_run_of_each_strategy(world, precision):
                 rank0.grad_bytes,
                 rank0.optimizer_bytes,
             ), row
+
+
+def test_the_ranks_asked_for_are_dry_run_each_once_in_order():
+    run = dry_run(llama, "ddp_tuned", devices=8, num_nodes=8, ranks=[5, 63, 5], precision="32-true")
+    assert [r.rank for r in run.ranks] == [5, 63]
+    assert run.ranks[0].state_bytes == run.ranks[1].state_bytes  # replicas
+    run = dry_run(llama, "hsdp", devices=8, num_nodes=8, ranks=[9])
+    assert [(r.rank, r.coordinates) for r in run.ranks] == [
+        (9, {"data_parallel_replicate": 1, "data_parallel_shard": 1, "tensor_parallel": 0})
+    ]
+    with pytest.raises(ValueError, match=r"ranks=\[64\] must be global ranks of the world, 0 to 63"):
+        dry_run(llama, "ddp_tuned", devices=8, num_nodes=8, ranks=[64])
+    with pytest.raises(ValueError, match="strategy='fsdp' is not one a dry run knows"):
+        dry_run(llama, "fsdp", devices=8)
