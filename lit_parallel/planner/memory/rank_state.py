@@ -28,8 +28,12 @@ from typing import Any
 
 from torch import nn
 
+from lit_parallel.parallel.expert_parallel import (
+    find_moe_layers,
+    plan_expert_parallel,
+    without_expert_modules,
+)
 from lit_parallel.parallel.tensor_parallel import TPPlan
-from lit_parallel.planner.memory.peak import ModelShape, shard_elements
 from lit_parallel.planner.memory.table import MemoryRow
 from lit_parallel.planner.memory.tensor_parallel import tp_local_model
 from lit_parallel.planner.precision import precision_bytes
@@ -54,10 +58,11 @@ def _rows(p: nn.Parameter) -> tuple[int, int]:
     return (p.shape[0], math.prod(p.shape[1:])) if p.dim() else (1, 1)
 
 
-def _padded_share(params: list[nn.Parameter], shard: int) -> int:
-    """Rank 0's elements of ``params``, each sharded along dim 0 over ``shard`` ranks (``ceil(rows / shard)``
-    rows; the padding of the last ranks is stored by every rank)."""
-    return sum(-(-rows // shard) * per_row for rows, per_row in map(_rows, params))
+def _padded(p: nn.Parameter, shard: int, rows: int | None = None) -> int:
+    """Rank 0's elements of ``p`` (``rows`` of it: all by default) sharded along dim 0 over ``shard`` ranks:
+    ``ceil(rows / shard)`` rows (every rank stores the padded shard)."""
+    total, per_row = _rows(p)
+    return -(-(total if rows is None else rows) // shard) * per_row
 
 
 def _unique(module: nn.Module) -> list[nn.Parameter]:
@@ -71,19 +76,63 @@ def _state(elements: float, trainable: float, precision: str) -> StateFormula:
     )
 
 
+def _experts(module: nn.Module, expert_parallel: int) -> tuple[dict[int, int], set[int]]:
+    """With ``expert_parallel = e > 1``: ``{id: rows rank 0 keeps}`` of stacked expert weights (``E / e`` of
+    their ``E`` rows), and the ids of the parameters of the expert modules rank 0 keeps of each list (its
+    first ``E / e``); the other experts' parameters are in neither and not held."""
+    stacked: dict[int, int] = {}
+    kept: set[int] = set()
+    if expert_parallel == 1:
+        return stacked, kept
+    for layer in find_moe_layers(module):
+        per_rank = layer.num_experts // expert_parallel
+        if layer.kind == "stacked":
+            stacked.update({id(p): per_rank for p in layer.module.parameters(recurse=False)})
+        else:
+            experts = getattr(layer.module, layer.experts_name or "")
+            kept.update(id(p) for expert in list(experts)[:per_rank] for p in expert.parameters())
+    return stacked, kept
+
+
+def _share(params: list[nn.Parameter], module: nn.Module, shard: int, expert_parallel: int) -> StateFormula:
+    """Elements rank 0 stores of ``params`` (parameters of ``module``) sharded over ``shard`` ranks, and of them
+    the trainable ones, as ``(elements, trainable)`` in a :class:`StateFormula` without bytes. With expert
+    parallelism ``e``, experts are split first: rank 0 keeps ``E / e`` of each MoE layer's, sharded over the
+    ``shard / e`` ranks holding the same ones."""
+    stacked, kept = _experts(module, expert_parallel)
+    listed = {
+        id(p)
+        for layer in (find_moe_layers(module) if expert_parallel > 1 else [])
+        if layer.kind != "stacked"
+        for p in getattr(layer.module, layer.experts_name or "").parameters()
+    }
+    inner = shard // expert_parallel
+    elements = trainable = 0
+    for p in params:
+        if id(p) in stacked:
+            n = _padded(p, inner, rows=stacked[id(p)])
+        elif id(p) in kept:
+            n = _padded(p, inner)
+        elif id(p) in listed:
+            continue  # another expert-parallel rank's expert
+        else:
+            n = _padded(p, shard)
+        elements += n
+        trainable += n if p.requires_grad else 0
+    return StateFormula(elements, trainable, 0.0, 0.0, 0.0)
+
+
+def _priced(share: StateFormula, precision: str) -> StateFormula:
+    return _state(share.elements, share.trainable_elements, precision)
+
+
 def fsdp_state(
     module: nn.Module, blocks: list[nn.Module], *, shard: int, precision: str, expert_parallel: int = 1
 ) -> StateFormula:
     """``fsdp_blocks`` / ZeRO-2 over ``shard`` ranks (``hsdp``: the shard group), with
-    ``expert_parallel_size`` (module docstring)."""
-    params = _unique(module)
-    if expert_parallel > 1:
-        shape = ModelShape.of(module, blocks)
-        elements = sum(shard_elements(d, x, shard, expert_parallel) for d, x in shape.groups())
-        frozen = _padded_share([p for p in params if not p.requires_grad], shard)
-        return _state(elements, elements - frozen, precision)
-    trainable = _padded_share([p for p in params if p.requires_grad], shard)
-    return _state(_padded_share(params, shard), trainable, precision)
+    ``expert_parallel_size`` (module docstring). ``blocks`` do not change the state (each group is padded
+    parameter by parameter), only what is gathered together."""
+    return _priced(_share(_unique(module), module, shard, expert_parallel), precision)
 
 
 def ddp_state(module: nn.Module, *, precision: str) -> StateFormula:
@@ -101,13 +150,19 @@ def tensor_parallel_state(
     data_parallel_shard: int,
     precision: str,
     pieces: list[str] | None = None,
+    expert_parallel: int = 1,
 ) -> StateFormula:
     """``tp_dp`` (and a ``pp_dp`` stage with ``pieces``, the module paths it keeps): one tensor-parallel rank's
-    shapes padded over ``data_parallel_shard`` ranks (module docstring)."""
+    shapes padded over ``data_parallel_shard`` ranks, experts split first (module docstring)."""
+    if (
+        expert_parallel > 1
+    ):  # expert parallelism splits the experts, tensor parallelism leaves them (parallelize)
+        plan = without_expert_modules(
+            plan, plan_expert_parallel(module, expert_parallel, require_layers=False)
+        )
     local = tp_local_model(module, plan) if plan.tp_size > 1 else module
     params = _unique(local) if pieces is None else _piece_params(local, pieces)
-    trainable = _padded_share([p for p in params if p.requires_grad], data_parallel_shard)
-    return _state(_padded_share(params, data_parallel_shard), trainable, precision)
+    return _priced(_share(params, local, data_parallel_shard, expert_parallel), precision)
 
 
 def _piece_params(module: nn.Module, pieces: list[str]) -> list[nn.Parameter]:
@@ -125,16 +180,21 @@ def pipeline_state(
     data_parallel_shard: int,
     precision: str,
     plan: TPPlan | None = None,
+    expert_parallel: int = 1,
 ) -> StateFormula:
     """A ``pp_dp`` rank holding the stage(s) made of ``pieces`` (module paths), split by ``plan`` when tensor
-    parallelism is on, padded over the stage's ``data_parallel_shard`` ranks."""
+    parallelism is on, experts split first, padded over the stage's ``data_parallel_shard`` ranks."""
     if plan is not None and plan.tp_size > 1:
         return tensor_parallel_state(
-            module, plan, data_parallel_shard=data_parallel_shard, precision=precision, pieces=pieces
+            module,
+            plan,
+            data_parallel_shard=data_parallel_shard,
+            precision=precision,
+            pieces=pieces,
+            expert_parallel=expert_parallel,
         )
     params = _piece_params(module, pieces)
-    trainable = _padded_share([p for p in params if p.requires_grad], data_parallel_shard)
-    return _state(_padded_share(params, data_parallel_shard), trainable, precision)
+    return _priced(_share(params, module, data_parallel_shard, expert_parallel), precision)
 
 
 def predicted_state(
@@ -167,7 +227,9 @@ def predicted_state(
     plan = plan_from_spec(module, "auto", tp, block_types=blocks) if tp > 1 else None
     if strategy == "tp_dp":
         assert plan is not None, "tp_dp splits over tensor_parallel > 1"
-        return tensor_parallel_state(module, plan, data_parallel_shard=shard, precision=precision)
+        return tensor_parallel_state(
+            module, plan, data_parallel_shard=shard, precision=precision, expert_parallel=ep
+        )
     if strategy == "pp_dp":
         args = dict(pipeline or {})
         layout = plan_pipeline(
@@ -185,6 +247,7 @@ def predicted_state(
                 data_parallel_shard=shard,
                 precision=precision,
                 plan=plan,
+                expert_parallel=ep,
             )
             for rank in range(layout.pp_size)
         ]

@@ -19,7 +19,7 @@ from lit_parallel.parallel.simulated import simulated_world
 from lit_parallel.parallel.tensor_parallel import plan_from_spec
 from lit_parallel.planner.memory import rank_state as formulas
 from lit_parallel.strategies.dry_run import dry_run
-from tests.moe_models import mixtral
+from tests.moe_models import hand_moe, mixtral
 
 # world size -> (devices per node, nodes)
 SHAPES = {2: (2, 1), 8: (8, 1), 64: (8, 8), 512: (8, 64), 4096: (8, 512)}
@@ -134,23 +134,51 @@ def test_pipeline_stage_state_equals_the_formula(world):
     )
 
 
-@pytest.mark.parametrize("world", [8, 64, 512, 4096])
-def test_expert_parallel_state_equals_the_formula(world):
+def hand_moe_on_meta() -> torch.nn.Module:
+    with torch.device("meta"):
+        return hand_moe()
+
+
+@pytest.mark.parametrize("world", list(SHAPES))
+@pytest.mark.parametrize("factory", [moe, hand_moe_on_meta], ids=["stacked_experts", "module_list_experts"])
+def test_expert_parallel_state_equals_the_formula(world, factory):
+    """expert_parallel_size=2 under fsdp_blocks, tp_dp (tensor parallel 2) and pp_dp (2 stages): experts split
+    first, then sharded over the ranks holding the same ones; tp_dp and pp_dp from 8 ranks (2 x 2 x 2)."""
     devices, nodes = SHAPES[world]
-    model = moe()
-    blocks = [b for _, b in find_transformer_blocks(model, "auto").blocks]
-    formula = formulas.fsdp_state(model, blocks, shard=world, precision="32-true", expert_parallel=2)
-    run = dry_run(
-        moe,
-        "fsdp_blocks",
-        devices=devices,
-        num_nodes=nodes,
-        precision="32-true",
-        strategy_kwargs={"expert_parallel_size": 2},
-        ranks="first",
-    )
-    assert run.error is None, run.error
-    _check(run.ranks[0], formula, "32-true")
+    model = factory()
+    blocks = find_transformer_blocks(model, "auto")
+    runs = {"fsdp_blocks": {}}
+    if world >= 8:
+        runs["tp_dp"] = {"tensor_parallel_size": 2}
+        runs["pp_dp"] = {"pipeline_parallel_size": 2, "microbatches": 2}
+    for name, kwargs in runs.items():
+        kwargs = {**kwargs, "expert_parallel_size": 2}
+        run = dry_run(
+            factory, name, devices=devices, num_nodes=nodes, precision="32-true", strategy_kwargs=kwargs
+        )
+        assert run.error is None, (name, run.error)
+        shard = run.sizes["data_parallel_shard"]
+        if name == "fsdp_blocks":
+            formula = formulas.fsdp_state(
+                model, [b for _, b in blocks.blocks], shard=shard, precision="32-true", expert_parallel=2
+            )
+        elif name == "tp_dp":
+            plan = plan_from_spec(model, "auto", 2, block_types=blocks)
+            formula = formulas.tensor_parallel_state(
+                model, plan, data_parallel_shard=shard, precision="32-true", expert_parallel=2
+            )
+        else:
+            layout = plan_pipeline(model, blocks, pp_size=2, schedule="1F1B", microbatches=2)
+            formula = max(
+                (
+                    formulas.pipeline_state(
+                        model, s.pieces, data_parallel_shard=shard, precision="32-true", expert_parallel=2
+                    )
+                    for s in layout.stages
+                ),
+                key=lambda f: f.state_bytes,
+            )
+        _check(run.largest, formula, "32-true")
 
 
 @pytest.mark.parametrize(
