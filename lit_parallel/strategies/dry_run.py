@@ -354,9 +354,7 @@ def _run_ranks(
                     input_description=description,
                     context=strategy.precision_plugin.forward_context,
                 )
-                if out.step is None:
-                    out.step_note = "not measured: this torch has no MemTracker (see the log line above)"
-                elif out.strategy == "ddp_tuned":
+                if out.strategy == "ddp_tuned":
                     out.step_note = (
                         "ddp_tuned: the step of the model without DDP (DDP cannot wrap fake parameters): DDP keeps"
                         " the gradients in its buckets for the whole step, one more copy of them at the peak"

@@ -174,9 +174,15 @@ def _print_step(console: Any, run: Any, entry: dict[str, Any], planner: Any) -> 
         console.print(f"  [yellow]step[/yellow]: {escape(run.step_note or 'not measured')}")
         return
     cats = ", ".join(f"{k} {format_bytes(v, decimal=True)}" for k, v in step.by_category.items() if v)
+    counter = (
+        "torch's MemTracker"
+        if step.counter == "MemTracker"
+        else "lit_parallel's LiveMemory (no MemTracker here)"
+    )
     console.print(
-        f"  one step of rank {run.ranks[0].rank} on fake tensors ({escape(step.input_description)}), torch's"
-        f" MemTracker: peak {format_bytes(step.total, decimal=True)} ({cats})"
+        f"  one step of rank {run.ranks[0].rank} on fake tensors ({escape(step.input_description)}), {counter}:"
+        f" peak {format_bytes(step.total, decimal=True)} ({cats}); lit_parallel's LiveMemory:"
+        f" {format_bytes(step.live_memory, decimal=True)}"
     )
     if planner is not None:
         gap = (step.total - planner.total) / planner.total if planner.total else 0.0

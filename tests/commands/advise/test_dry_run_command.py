@@ -52,6 +52,7 @@ def test_a_failing_setup_is_reported_with_its_fix_and_the_step_beside_advise(cap
     text = capsys.readouterr().out
     assert "setup fails" in text and "Choose tensor_parallel_size from 1 or 2" in text
     assert "one step of rank 0 on fake tensors (tokens (1, 32)), torch's MemTracker: peak" in text
+    assert "lit_parallel's LiveMemory:" in text
     assert "advise's prediction for the same step" in text
 
 
