@@ -136,13 +136,8 @@ def _quiet() -> Iterator[list[str]]:
 
     ours, handler = logging.getLogger("lit_parallel"), Collect(logging.INFO)
     lightning = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "lightning")]
-    saved = (
-        ours.level,
-        ours.propagate,
-        [lg.level for lg in lightning],
-        rank_zero_only.rank,
-        ours.handlers[:],
-    )
+    handlers, level, propagate = ours.handlers[:], ours.level, ours.propagate
+    lightning_levels, rank = [lg.level for lg in lightning], rank_zero_only.rank
     ours.handlers = [handler]
     ours.setLevel(logging.INFO)
     ours.propagate = False
@@ -153,12 +148,11 @@ def _quiet() -> Iterator[list[str]]:
             warnings.simplefilter("ignore")
             yield lines
     finally:
-        ours.handlers = saved[4]
-        ours.setLevel(saved[0])
-        ours.propagate = saved[1]
-        for lg, level in zip(lightning, saved[2]):
-            lg.setLevel(level)
-        rank_zero_only.rank = saved[3]
+        ours.handlers, ours.propagate = handlers, propagate
+        ours.setLevel(level)
+        for lg, lightning_level in zip(lightning, lightning_levels):
+            lg.setLevel(lightning_level)
+        rank_zero_only.rank = rank
 
 
 def _build(

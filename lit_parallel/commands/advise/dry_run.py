@@ -197,7 +197,7 @@ def _print_step(console: Any, run: Any, entry: dict[str, Any], planner: Any) -> 
 
 def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
     """``advise --dry-run``: every chosen strategy dry-run, printed (and written with ``--json``)."""
-    from lit_parallel.commands.terminal import Column, fit_table, terminal_console
+    from lit_parallel.commands.terminal import terminal_console
     from lit_parallel.strategies.dry_run import dry_run
 
     if not args.model:
@@ -239,104 +239,117 @@ def run(args: argparse.Namespace, model_kwargs: dict[str, Any]) -> int:
             batch_size=args.batch_size,
             seq_len=args.seq_len,
         )
-        formula = _formula(run_, module, args.precision)
         entry = {**run_.as_dict(), "label": _label(run_)}
+        out.append(entry)
         title = f"{'auto_parallel -> ' if name == 'auto_parallel' else ''}{_label(run_)}"
         console.print(f"\n[bold]{escape(title)}[/bold]" + (f": {escape(run_.mesh)}" if run_.mesh else ""))
         if run_.decision:
             console.print(f"  {escape(run_.decision)}")
         if run_.error:
             console.print(f"  [red]setup fails[/red]: {escape(_folded(run_.error))}")
-            out.append(entry)
             continue
-        rows = [
-            [
-                str(r.rank),
-                ", ".join(f"{k}={v}" for k, v in r.coordinates.items()) or "-",
-                *(
-                    format_bytes(x, decimal=True)
-                    for x in (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.state_bytes)
-                ),
-                f"{r.padding_elements:,}",
-            ]
-            for r in run_.ranks
-        ]
-        columns = [Column("rank", "right"), Column("position", wrap=True)]
-        columns += [
-            Column(h, "right") for h in ("params", "grads", "optimizer", "model state", "padding (elements)")
-        ]
-        console.print(
-            fit_table(
-                columns,
-                rows,
-                width=console.width,
-                title=f"{len(run_.ranks)} rank(s), dry-run in {run_.seconds:.1f} s",
-            )
-        )
-        largest = run_.largest
-        assert largest is not None
-        if formula is not None and not isinstance(formula, str):
-            same = formula.state_bytes == largest.state_bytes
-            verdict = (
-                "[green]equal[/green]"
-                if same
-                else f"[red]differs by {format_bytes(abs(formula.state_bytes - largest.state_bytes), decimal=True)}[/red]"
-            )
-            console.print(
-                f"  planner's formula for the largest rank: {format_bytes(formula.state_bytes, decimal=True)}"
-                f" (ZeRO's accounting: params {format_bytes(formula.param_bytes, decimal=True)}, grads"
-                f" {format_bytes(formula.grad_bytes, decimal=True)}, optimizer"
-                f" {format_bytes(formula.optimizer_bytes, decimal=True)}): {verdict}"
-            )
-            entry["formula"] = {
-                "param_bytes": formula.param_bytes,
-                "grad_bytes": formula.grad_bytes,
-                "optimizer_bytes": formula.optimizer_bytes,
-                "state_bytes": formula.state_bytes,
-                "equal": same,
-            }
-        elif isinstance(formula, str):
-            console.print(f"  [yellow]no formula[/yellow]: {escape(formula)}")
+        _print_ranks(console, run_)
+        _print_formula(console, run_, _formula(run_, module, args.precision), entry)
         if run_.sizes.get("tensor_parallel", 1) > 1:
-            split, replicated = largest.split_and_replicated("tensor_parallel")
-            console.print(f"  tensor parallel splits {len(split)} parameter(s): {escape(_patterns(split))}")
-            console.print(f"  and replicates {len(replicated)}: {escape(_patterns(replicated)) or '-'}")
-            entry["tensor_parallel"] = {"split": split, "replicated": replicated}
-            if not split:
-                console.print(
-                    f"  [red]tensor parallelism splits no parameter[/red]: each of the {run_.sizes['tensor_parallel']}"
-                    " tensor-parallel ranks holds a whole replica (the plan found no layer to split: see its note"
-                    " below); pass block_types= naming the model's block class, or plan={...}"
-                )
+            _print_tensor_parallel(console, run_, entry)
         if run_.sizes.get("pipeline_parallel", 1) > 1:
-            stages: dict[int, int] = {}
-            for r in run_.ranks:
-                stage = r.coordinates.get("pipeline_parallel", 0)
-                stages[stage] = max(stages.get(stage, 0), r.state_bytes)
-            heavy = max(stages, key=lambda s: stages[s])
-            lightest = min(stages.values())
-            console.print(
-                f"  largest pipeline stage: {heavy} ({format_bytes(stages[heavy], decimal=True)} per rank,"
-                f" x{stages[heavy] / lightest:.2f} the lightest)"
-            )
-            if stages[heavy] >= UNEVEN_STAGES * lightest:
-                console.print(
-                    "  [yellow]uneven stages[/yellow]: the slowest stage sets the pace of every step; give"
-                    " split=\\[...] (the blocks where stages 2, 3, ... start) or a pipeline_parallel_size that divides"
-                    " the blocks"
-                )
-            entry["largest_stage"] = {
-                "stage": heavy,
-                "state_bytes": stages[heavy],
-                "ratio_to_lightest": stages[heavy] / lightest,
-            }
-        if args.step:
+            _print_stages(console, run_, entry)
+        if predicted is not None:
             _print_step(console, run_, entry, predicted(run_))
         for line in run_.log:
             console.print(f"[dim]  {escape(line)}[/dim]")
-        out.append(entry)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"dry_run": {"model": args.model, "world_size": world, "runs": out}}, indent=2)
         )
     return 0
+
+
+def _print_ranks(console: Any, run: Any) -> None:
+    """The table of each rank position's state."""
+    from lit_parallel.commands.terminal import Column, fit_table
+
+    rows = [
+        [
+            str(r.rank),
+            ", ".join(f"{k}={v}" for k, v in r.coordinates.items()) or "-",
+            *(
+                format_bytes(x, decimal=True)
+                for x in (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.state_bytes)
+            ),
+            f"{r.padding_elements:,}",
+        ]
+        for r in run.ranks
+    ]
+    columns = [Column("rank", "right"), Column("position", wrap=True)]
+    columns += [
+        Column(h, "right") for h in ("params", "grads", "optimizer", "model state", "padding (elements)")
+    ]
+    title = f"{len(run.ranks)} rank(s), dry-run in {run.seconds:.1f} s"
+    console.print(fit_table(columns, rows, width=console.width, title=title))
+
+
+def _print_formula(console: Any, run: Any, formula: Any, entry: dict[str, Any]) -> None:
+    """The planner's formula for the largest rank, next to what the dry run found (``formula``: a
+    :class:`~lit_parallel.planner.memory.rank_state.StateFormula`, or why there is none)."""
+    if isinstance(formula, str):
+        console.print(f"  [yellow]no formula[/yellow]: {escape(formula)}")
+        return
+    if formula is None:
+        return
+    largest = run.largest.state_bytes
+    same = formula.state_bytes == largest
+    gap = format_bytes(abs(formula.state_bytes - largest), decimal=True)
+    verdict = "[green]equal[/green]" if same else f"[red]differs by {gap}[/red]"
+    console.print(
+        f"  planner's formula for the largest rank: {format_bytes(formula.state_bytes, decimal=True)}"
+        f" (ZeRO's accounting: params {format_bytes(formula.param_bytes, decimal=True)}, grads"
+        f" {format_bytes(formula.grad_bytes, decimal=True)}, optimizer"
+        f" {format_bytes(formula.optimizer_bytes, decimal=True)}): {verdict}"
+    )
+    entry["formula"] = {
+        "param_bytes": formula.param_bytes,
+        "grad_bytes": formula.grad_bytes,
+        "optimizer_bytes": formula.optimizer_bytes,
+        "state_bytes": formula.state_bytes,
+        "equal": same,
+    }
+
+
+def _print_tensor_parallel(console: Any, run: Any, entry: dict[str, Any]) -> None:
+    """What tensor parallelism split and what it replicated, on the rank holding the most."""
+    split, replicated = run.largest.split_and_replicated("tensor_parallel")
+    console.print(f"  tensor parallel splits {len(split)} parameter(s): {escape(_patterns(split))}")
+    console.print(f"  and replicates {len(replicated)}: {escape(_patterns(replicated)) or '-'}")
+    entry["tensor_parallel"] = {"split": split, "replicated": replicated}
+    if not split:
+        console.print(
+            f"  [red]tensor parallelism splits no parameter[/red]: each of the {run.sizes['tensor_parallel']}"
+            " tensor-parallel ranks holds a whole replica (the plan found no layer to split: see its note"
+            " below); pass block_types= naming the model's block class, or plan={...}"
+        )
+
+
+def _print_stages(console: Any, run: Any, entry: dict[str, Any]) -> None:
+    """The pipeline stage holding the most, and whether the stages are uneven."""
+    stages: dict[int, int] = {}
+    for r in run.ranks:
+        stage = r.coordinates.get("pipeline_parallel", 0)
+        stages[stage] = max(stages.get(stage, 0), r.state_bytes)
+    heavy = max(stages, key=lambda s: stages[s])
+    lightest = min(stages.values())
+    console.print(
+        f"  largest pipeline stage: {heavy} ({format_bytes(stages[heavy], decimal=True)} per rank,"
+        f" x{stages[heavy] / lightest:.2f} the lightest)"
+    )
+    if stages[heavy] >= UNEVEN_STAGES * lightest:
+        console.print(
+            "  [yellow]uneven stages[/yellow]: the slowest stage sets the pace of every step; give"
+            " split=\\[...] (the blocks where stages 2, 3, ... start) or a pipeline_parallel_size that divides"
+            " the blocks"
+        )
+    entry["largest_stage"] = {
+        "stage": heavy,
+        "state_bytes": stages[heavy],
+        "ratio_to_lightest": stages[heavy] / lightest,
+    }

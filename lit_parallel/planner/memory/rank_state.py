@@ -76,22 +76,21 @@ def _state(elements: float, trainable: float, precision: str) -> StateFormula:
     )
 
 
-def _experts(module: nn.Module, expert_parallel: int) -> tuple[dict[int, int], set[int]]:
-    """With ``expert_parallel = e > 1``: ``{id: rows rank 0 keeps}`` of stacked expert weights (``E / e`` of
-    their ``E`` rows), and the ids of the parameters of the expert modules rank 0 keeps of each list (its
-    first ``E / e``); the other experts' parameters are in neither and not held."""
-    stacked: dict[int, int] = {}
-    kept: set[int] = set()
+def _experts(module: nn.Module, expert_parallel: int) -> dict[int, int | None]:
+    """With ``expert_parallel = e > 1``, ``{id: rows rank 0 keeps}`` of every expert parameter: ``E / e`` of a
+    stacked weight's ``E`` rows; of a list's experts, every row (``None``) of the first ``E / e``, which rank 0
+    keeps, and none (``0``) of the others'."""
+    held: dict[int, int | None] = {}
     if expert_parallel == 1:
-        return stacked, kept
+        return held
     for layer in find_moe_layers(module):
         per_rank = layer.num_experts // expert_parallel
         if layer.kind == "stacked":
-            stacked.update({id(p): per_rank for p in layer.module.parameters(recurse=False)})
-        else:
-            experts = getattr(layer.module, layer.experts_name or "")
-            kept.update(id(p) for expert in list(experts)[:per_rank] for p in expert.parameters())
-    return stacked, kept
+            held.update({id(p): per_rank for p in layer.module.parameters(recurse=False)})
+            continue
+        for i, expert in enumerate(getattr(layer.module, layer.experts_name or "")):
+            held.update({id(p): None if i < per_rank else 0 for p in expert.parameters()})
+    return held
 
 
 def _share(params: list[nn.Parameter], module: nn.Module, shard: int, expert_parallel: int) -> StateFormula:
@@ -99,24 +98,16 @@ def _share(params: list[nn.Parameter], module: nn.Module, shard: int, expert_par
     the trainable ones, as ``(elements, trainable)`` in a :class:`StateFormula` without bytes. With expert
     parallelism ``e``, experts are split first: rank 0 keeps ``E / e`` of each MoE layer's, sharded over the
     ``shard / e`` ranks holding the same ones."""
-    stacked, kept = _experts(module, expert_parallel)
-    listed = {
-        id(p)
-        for layer in (find_moe_layers(module) if expert_parallel > 1 else [])
-        if layer.kind != "stacked"
-        for p in getattr(layer.module, layer.experts_name or "").parameters()
-    }
+    held = _experts(module, expert_parallel)
     inner = shard // expert_parallel
     elements = trainable = 0
     for p in params:
-        if id(p) in stacked:
-            n = _padded(p, inner, rows=stacked[id(p)])
-        elif id(p) in kept:
-            n = _padded(p, inner)
-        elif id(p) in listed:
+        if id(p) not in held:
+            n = _padded(p, shard)
+        elif held[id(p)] == 0:
             continue  # another expert-parallel rank's expert
         else:
-            n = _padded(p, shard)
+            n = _padded(p, inner, rows=held[id(p)])
         elements += n
         trainable += n if p.requires_grad else 0
     return StateFormula(elements, trainable, 0.0, 0.0, 0.0)
@@ -287,23 +278,31 @@ def exact_rows(
         "HSDP": ("hsdp", {"data_parallel_shard": devices}),
         "TP+DP": ("tp_dp", {"data_parallel_shard": nodes, "tensor_parallel": devices}),
     }
+    computed: dict[tuple, StateFormula | Exception] = {}  # ZeRO-2 and ZeRO-3 share one layout
     out = []
     for row in rows:
         if row.name not in layouts or (row.name == "TP+DP" and devices == 1):
             out.append(row)
             continue
         strategy, sizes = layouts[row.name]
-        try:
-            f = predicted_state(strategy, module, sizes, precision=precision, block_types=block_types)
-        except TPPlanError as err:
+        key = (strategy, tuple(sorted(sizes.items())))
+        if key not in computed:
+            try:
+                computed[key] = predicted_state(
+                    strategy, module, sizes, precision=precision, block_types=block_types
+                )
+            except (TPPlanError, NoBlocksFoundError, ValueError) as err:
+                computed[key] = err
+        f = computed[key]
+        if isinstance(f, TPPlanError):
             # tp_dp's setup would fail the same way: the row cannot be chosen
             notes.append(
-                f"{row.name}: tp_dp cannot split this model over {devices} devices: {str(err).splitlines()[-1]}"
+                f"{row.name}: tp_dp cannot split this model over {devices} devices: {str(f).splitlines()[-1]}"
             )
             out.append(replace(row, fits=False))
             continue
-        except (NoBlocksFoundError, ValueError) as err:
-            notes.append(f"{row.name}: state divided evenly ({str(err).splitlines()[0]})")
+        if isinstance(f, Exception):
+            notes.append(f"{row.name}: state divided evenly ({str(f).splitlines()[0]})")
             out.append(row)
             continue
         params = f.param_bytes + (gathered if row.name == "ZeRO-2" else 0.0)
